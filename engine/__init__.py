@@ -1,0 +1,39 @@
+"""engine: a hardware-agnostic LLM inference and serving engine.
+
+Public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
+``EngineArgs``. Heavy modules (torch, the model executor) load on first use, so
+``import engine`` and the CLI start fast.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "engine.entrypoints.llm",
+    "SamplingParams": "engine.core.sampling_params",
+    "RequestOutputKind": "engine.core.sampling_params",
+    "RequestOutput": "engine.core.outputs",
+    "CompletionOutput": "engine.core.outputs",
+    "EngineArgs": "engine.core.engine_args",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:
+    from engine.core.engine_args import EngineArgs
+    from engine.core.outputs import CompletionOutput, RequestOutput
+    from engine.core.sampling_params import RequestOutputKind, SamplingParams
+    from engine.entrypoints.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

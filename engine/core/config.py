@@ -1,0 +1,118 @@
+"""Engine configuration: pydantic models with vLLM-compatible names and V1 defaults.
+
+Validation errors name the bad field and value (pydantic's ValidationError is a
+ValueError). ``EngineArgs`` is the flat user-facing bag of options; ``EngineConfig`` is
+the resolved, grouped result the engine runs with.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+
+DEFAULT_CPU_KVCACHE_GIB = 4.0
+CPU_KVCACHE_ENV = "ENGINE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
+
+DType = Literal["auto", "float32", "float16", "bfloat16", "float", "half"]
+
+
+class ModelConfig(BaseModel):
+    model_config = _STRICT
+
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None
+    dtype: DType = "auto"  # "auto": the checkpoint's torch_dtype
+    max_model_len: int | None = Field(default=None, ge=1)  # None: from the HF config
+    seed: int = 0
+    revision: str | None = None
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; never needed
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+class CacheConfig(BaseModel):
+    model_config = _STRICT
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    # CPU: KV cache size in GiB (gpu_memory_utilization means nothing there).
+    cpu_kvcache_space_gib: float | None = Field(default=None, gt=0.0)
+    num_gpu_blocks_override: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: Literal["sha256"] = "sha256"
+    cache_dtype: Literal["auto"] = "auto"
+
+    def resolved_cpu_kvcache_gib(self) -> float:
+        if self.cpu_kvcache_space_gib is not None:
+            return self.cpu_kvcache_space_gib
+        env = os.environ.get(CPU_KVCACHE_ENV)
+        if env:
+            try:
+                value = float(env)
+            except ValueError as exc:
+                raise ValueError(f"{CPU_KVCACHE_ENV}={env!r} is not a number of GiB") from exc
+            if value <= 0:
+                raise ValueError(f"{CPU_KVCACHE_ENV}={env!r} must be > 0")
+            return value
+        return DEFAULT_CPU_KVCACHE_GIB
+
+
+class SchedulerConfig(BaseModel):
+    model_config = _STRICT
+
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_model_len: int = Field(default=2048, ge=1)  # resolved from ModelConfig
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+    # A prefill may take at most this many tokens of one step (0: no limit beyond budget).
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _budget_fits_a_prompt(self) -> "SchedulerConfig":
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill disabled: "
+                "long prompts could never be scheduled"
+            )
+        return self
+
+
+class ParallelConfig(BaseModel):
+    model_config = _STRICT
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class DeviceConfig(BaseModel):
+    model_config = _STRICT
+
+    device: str = "auto"  # "auto" or a platform name
+    attention_backend: str | None = None  # None: the platform's preferred backend
+    num_threads: int | None = Field(default=None, ge=1)  # host threads (CPU platform)
+
+
+class EngineConfig(BaseModel):
+    """The resolved configuration the engine runs with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig

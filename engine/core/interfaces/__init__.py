@@ -1,0 +1,32 @@
+"""Abstract interfaces between the engine and hardware plugins.
+
+A leaf package: it imports nothing else from ``engine`` (and no torch at import time),
+so the model executor and every plugin can depend on it without cycles.
+"""
+
+from engine.core.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionImpl,
+    AttentionLayerSpec,
+)
+from engine.core.interfaces.communicator import Communicator
+from engine.core.interfaces.platform import Platform, ProbeResult
+from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
+
+# Version of this plugin API; a plugin declares the version it was written against.
+PLUGIN_API_VERSION = 1
+
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "AttentionBackend",
+    "AttentionBatch",
+    "AttentionImpl",
+    "AttentionLayerSpec",
+    "Communicator",
+    "Platform",
+    "ProbeResult",
+    "QuantMethod",
+    "QuantizedGemmKernel",
+    "QuantizedLayerSpec",
+]

@@ -1,0 +1,132 @@
+"""The attention-backend contract between the model executor and a platform.
+
+A backend owns two things: the layout of the paged KV cache (one tensor per layer)
+and the kernel that writes new K/V rows into it and attends over it. The model runner
+describes each step with a device-neutral :class:`AttentionBatch`; the backend turns it
+into whatever metadata its kernels want, once per step, and every attention layer of
+the model then calls :meth:`AttentionImpl.forward` with that metadata.
+
+Token layout of a step: the new tokens of all scheduled requests are concatenated
+(request order = batch order). Request ``r`` owns rows ``query_start_loc[r] :
+query_start_loc[r+1]`` of ``query``; those rows are the *last* ``query_len`` positions of
+its context of ``seq_lens[r]`` tokens, so query row ``i`` sits at position
+``seq_lens[r] - query_len + i`` and attends causally to keys ``0 ..= that position``
+(restricted to the last ``sliding_window`` keys when a window is set). Prefill chunks and
+single-token decodes mix freely in one batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class AttentionBatch:
+    """One step's batch, described without reference to any kernel.
+
+    All tensors live on the platform's device. Shapes: ``R`` scheduled requests,
+    ``T`` new tokens in total, ``M`` = block-table width.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: "torch.Tensor"  # int32 [R + 1], cumulative new-token counts
+    seq_lens: "torch.Tensor"  # int32 [R], context length after this step's tokens
+    block_tables: "torch.Tensor"  # int32 [R, M], physical block ids (padding: 0)
+    slot_mapping: "torch.Tensor"  # int64 [T], cache slot of each new token (-1: skip)
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that plan on the CPU (avoid device->host syncs).
+    query_start_loc_cpu: Any = None  # numpy int32 [R + 1]
+    seq_lens_cpu: Any = None  # numpy int32 [R]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static shape of one attention layer, fixed at model construction."""
+
+    num_heads: int
+    head_size: int
+    num_kv_heads: int
+    scale: float
+    sliding_window: int | None = None  # attend to at most this many most recent keys
+    logits_soft_cap: float | None = None
+
+
+class AttentionImpl(ABC):
+    """Per-layer attention: write this step's K/V into the cache, then attend."""
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def forward(
+        self,
+        query: "torch.Tensor",  # [T, num_heads, head_size]
+        key: "torch.Tensor",  # [T, num_kv_heads, head_size]
+        value: "torch.Tensor",  # [T, num_kv_heads, head_size]
+        kv_cache: "torch.Tensor",  # this layer's cache, shape from get_kv_cache_shape
+        metadata: Any,  # what the backend's build_metadata returned this step
+    ) -> "torch.Tensor":  # [T, num_heads, head_size]
+        """Store key/value at ``slot_mapping`` and return causal attention output."""
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels with one KV cache layout."""
+
+    name: ClassVar[str]
+
+    def __init__(self, block_size: int, device: "torch.device") -> None:
+        self.block_size = block_size
+        self.device = device
+
+    @classmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor (K and V together)."""
+
+    @classmethod
+    def supported_head_sizes(cls) -> list[int] | None:
+        """Head sizes the kernels handle; None means any."""
+        return None
+
+    @classmethod
+    def supported_block_sizes(cls) -> list[int] | None:
+        """Block sizes the kernels handle; None means any."""
+        return None
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
+        """Why this backend cannot serve ``spec`` (None when it can)."""
+        heads = cls.supported_head_sizes()
+        if heads is not None and spec.head_size not in heads:
+            return f"{cls.name} supports head sizes {heads}, not {spec.head_size}"
+        blocks = cls.supported_block_sizes()
+        if blocks is not None and block_size not in blocks:
+            return f"{cls.name} supports block sizes {blocks}, not {block_size}"
+        if spec.sliding_window is not None and not cls.supports_sliding_window():
+            return f"{cls.name} does not support sliding-window attention"
+        return None
+
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Turn the step's batch into kernel metadata, once per step for all layers."""
+
+    @abstractmethod
+    def make_impl(self, spec: AttentionLayerSpec) -> AttentionImpl:
+        """The per-layer kernel object for a layer of shape ``spec``."""

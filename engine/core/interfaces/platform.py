@@ -1,0 +1,146 @@
+"""The Platform contract: everything the engine asks of a kind of hardware.
+
+A plugin contributes Platform subclasses. The engine never names a device outside
+``engine/plugins``; it asks the current Platform for its torch device, dtypes, memory,
+attention backend, communicator and quantized-GEMM kernels.
+
+``probe()`` must be cheap and must not raise: a missing vendor stack makes the platform
+unavailable with a human-readable reason, it never breaks the package. Heavy imports
+belong inside methods, not at module import time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.core.interfaces.attention import AttentionBackend
+    from engine.core.interfaces.communicator import Communicator
+    from engine.core.interfaces.quant import QuantizedGemmKernel
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a platform can run here, and why not when it cannot."""
+
+    available: bool
+    reason: str = ""  # why unavailable; for available platforms, a short description
+
+    @classmethod
+    def ok(cls, description: str = "") -> "ProbeResult":
+        return cls(True, description)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> "ProbeResult":
+        return cls(False, reason)
+
+
+class Platform(ABC):
+    """One kind of hardware, as seen by the engine.
+
+    Class attributes identify it; instances are created only once ``probe()`` said yes.
+    """
+
+    name: ClassVar[str]  # what ``--device NAME`` selects, e.g. "cpu", "cuda"
+    device_type: ClassVar[str]  # torch device type, e.g. "cpu", "cuda", "xpu"
+    priority: ClassVar[int] = 0  # ``--device auto`` picks the highest available
+    description: ClassVar[str] = ""
+    # Name of the torch.distributed backend its Communicator uses ("gloo", "nccl", ...).
+    dist_backend: ClassVar[str] = "gloo"
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Cheap availability check; never raises."""
+
+    # -- device ---------------------------------------------------------------------------
+    def device(self, index: int = 0) -> "torch.device":
+        import torch
+
+        return torch.device(self.device_type, index)
+
+    @abstractmethod
+    def supported_dtypes(self) -> list["torch.dtype"]:
+        """Activation/weight dtypes this platform computes in."""
+
+    def check_dtype(self, dtype: "torch.dtype") -> str | None:
+        """Why ``dtype`` cannot be used here (None when it can)."""
+        if dtype not in self.supported_dtypes():
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())
+            return (
+                f"platform {self.name!r} does not support dtype "
+                f"{str(dtype).removeprefix('torch.')}; supported: {names}"
+            )
+        return None
+
+    @abstractmethod
+    def total_memory_bytes(self) -> int:
+        """Total memory of one device."""
+
+    @abstractmethod
+    def available_memory_bytes(self) -> int:
+        """Memory free right now on one device."""
+
+    @abstractmethod
+    def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
+        """Bytes the KV cache may take, given the cache config and loaded weights."""
+
+    def seed_everything(self, seed: int) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on synchronous devices)."""
+
+    def make_generator(self, seed: int) -> "torch.Generator":
+        import torch
+
+        gen = torch.Generator(device=self.device())
+        gen.manual_seed(seed)
+        return gen
+
+    # -- components -----------------------------------------------------------------------
+    @abstractmethod
+    def attention_backends(self) -> list[type["AttentionBackend"]]:
+        """Attention backends in preference order (first usable one is taken)."""
+
+    def get_attention_backend(self, name: str | None = None) -> type["AttentionBackend"]:
+        """The backend called ``name``, or the preferred one."""
+        backends = self.attention_backends()
+        if name is None:
+            return backends[0]
+        for backend in backends:
+            if backend.name == name:
+                return backend
+        known = ", ".join(b.name for b in backends)
+        raise ValueError(
+            f"attention backend {name!r} is not offered by platform {self.name!r}; "
+            f"offered: {known}"
+        )
+
+    @abstractmethod
+    def communicator_cls(self) -> type["Communicator"]:
+        """Collective layer for tensor / pipeline / expert parallelism."""
+
+    def quantized_gemm_kernels(self) -> list[type["QuantizedGemmKernel"]]:
+        """Quantized-GEMM kernels in preference order (empty: no quantization)."""
+        return []
+
+    def check_and_update_config(self, config: Any) -> None:
+        """Adjust or reject an engine config for this platform (raise ValueError)."""
+
+    def set_num_threads(self, num_threads: int | None) -> None:
+        """Intra-op parallelism for host-side compute (meaningful on CPU)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,124 @@
+"""The Intel XPU platform: torch's built-in ``torch.xpu`` (Triton kernels, oneCCL).
+
+intel-extension-for-pytorch is optional: the probe only notes whether it is installed
+(``find_spec``, never an import), and nothing here requires it. Collectives use torch's
+"xccl" backend, or "ccl" from oneccl_bindings_for_pytorch on torch builds without xccl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from engine.core.interfaces import Platform, ProbeResult
+from engine.plugins.gpu_memory import gpu_kv_cache_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.core.interfaces import AttentionBackend, Communicator
+
+IPEX_MODULE = "intel_extension_for_pytorch"
+ONECCL_MODULE = "oneccl_bindings_for_pytorch"
+
+
+def ipex_installed() -> bool:
+    return importlib.util.find_spec(IPEX_MODULE) is not None
+
+
+def xpu_dist_backend() -> str:
+    """Torch's "xccl" when available; "ccl" when only the oneccl bindings are installed."""
+    import torch.distributed as dist
+
+    is_xccl = getattr(dist, "is_xccl_available", None)
+    if is_xccl is not None and is_xccl():
+        return "xccl"
+    if importlib.util.find_spec(ONECCL_MODULE) is not None:
+        return "ccl"
+    return "xccl"  # init_process_group will then name the missing backend itself
+
+
+class XPUPlatform(Platform):
+    name = "xpu"
+    device_type = "xpu"
+    priority = 80
+    description = "Intel GPUs through torch.xpu (Triton kernels, oneCCL)"
+    dist_backend = "xccl"  # instances hold the resolved backend ("xccl" or "ccl")
+
+    def __init__(self) -> None:
+        self.dist_backend = xpu_dist_backend()
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        try:
+            import torch
+        except Exception as exc:  # noqa: BLE001 - probes never raise
+            return ProbeResult.unavailable(f"torch is not importable: {exc}")
+        try:
+            ipex = "intel-extension-for-pytorch " + ("installed" if ipex_installed() else "absent")
+            xpu = getattr(torch, "xpu", None)
+            compiled = getattr(xpu, "_is_compiled", None)
+            if xpu is None or (compiled is not None and not compiled()):
+                return ProbeResult.unavailable(
+                    f"torch {torch.__version__} was built without XPU support ({ipex})"
+                )
+            if not xpu.is_available():
+                return ProbeResult.unavailable(f"no Intel XPU device visible ({ipex})")
+            return ProbeResult.ok(f"{xpu.device_count()} XPU device(s), {ipex}")
+        except Exception as exc:  # noqa: BLE001
+            return ProbeResult.unavailable(f"XPU probe failed: {exc}")
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        import torch
+
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    def device(self, index: int | None = None) -> torch.device:
+        import torch
+
+        return torch.device("xpu", torch.xpu.current_device() if index is None else index)
+
+    def _mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current device."""
+        import torch
+
+        dev = self.device()
+        if hasattr(torch.xpu, "mem_get_info"):
+            free, total = torch.xpu.mem_get_info(dev)
+            return int(free), int(total)
+        total = torch.xpu.get_device_properties(dev).total_memory
+        return total - torch.xpu.memory_reserved(dev), total
+
+    def total_memory_bytes(self) -> int:
+        return self._mem_info()[1]
+
+    def available_memory_bytes(self) -> int:
+        return self._mem_info()[0]
+
+    def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
+        import torch
+
+        free, total = self._mem_info()
+        return gpu_kv_cache_bytes(
+            total_bytes=total,
+            free_bytes=free,
+            torch_reserved_bytes=torch.xpu.memory_reserved(self.device()),
+            weights_bytes=weights_bytes,
+            utilization=cache_config.gpu_memory_utilization,
+            platform=f"{self.name} device {self.device()}",
+        )
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.xpu.synchronize()
+
+    def attention_backends(self) -> list[type[AttentionBackend]]:
+        from engine.kernels.triton_backend import TritonAttentionBackend
+
+        return [TritonAttentionBackend]
+
+    def communicator_cls(self) -> type[Communicator]:
+        from engine.distributed import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator.for_backend(self.dist_backend)
