@@ -1,0 +1,54 @@
+"""Engine options shared by every command that builds an engine (vLLM's flag names)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+_ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
+    click.option("--model", default=None, help="HF model directory (default: the demo model)."),
+    click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's)."),
+    click.option("--device", default="auto", show_default=True,
+                 help="Platform name (see `engine plugins`) or auto."),
+    click.option("--dtype", default="auto", show_default=True,
+                 type=click.Choice(["auto", "float32", "bfloat16", "float16", "float", "half"])),
+    click.option("--max-model-len", type=int, default=None),
+    click.option("--max-num-seqs", type=int, default=256, show_default=True),
+    click.option("--max-num-batched-tokens", type=int, default=None),
+    click.option("--block-size", type=int, default=16, show_default=True),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+                 show_default=True),
+    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True,
+                 show_default=True),
+    click.option("--kv-cache-space", "cpu_kvcache_space_gib", type=float, default=None,
+                 help="CPU KV cache size in GiB (env ENGINE_CPU_KVCACHE_SPACE; default 4)."),
+    click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+    click.option("--attention-backend", default=None,
+                 help="Attention backend name (env ENGINE_ATTENTION_BACKEND)."),
+    click.option("--num-threads", type=int, default=None, help="Host threads (CPU)."),
+    click.option("--engine-seed", "seed", type=int, default=0, show_default=True,
+                 help="Seed of the engine's global RNGs."),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs",
+                 show_default=True),
+]
+
+ENGINE_OPTION_NAMES = (
+    "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+    "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
+    "seed", "scheduling_policy",
+)
+
+
+def engine_options(func: Callable) -> Callable:
+    """Decorate a click command with every engine option."""
+    for option in reversed(_ENGINE_OPTIONS):
+        func = option(func)
+    return func
+
+
+def engine_args_from_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The EngineArgs keywords among a command's parsed options."""
+    return {name: options[name] for name in ENGINE_OPTION_NAMES if name in options}

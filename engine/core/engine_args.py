@@ -1,0 +1,118 @@
+"""EngineArgs: the flat, vLLM-compatible bag of options shared by the API and the CLI.
+
+``create_engine_config()`` resolves it against the model directory (dtype "auto",
+max_model_len from the HF config, the demo model when no model is given) into the
+grouped :class:`EngineConfig` the engine runs with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+ATTENTION_BACKEND_ENV = "ENGINE_ATTENTION_BACKEND"
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, with vLLM's names and V1 defaults."""
+
+    model: str | None = None  # None: the embedded demo model
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: str | None = None
+    num_threads: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192, raised to max_model_len without chunking
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved_model_path(self) -> tuple[str, str]:
+        """(model directory, served name)."""
+        if self.model is None:
+            from engine.assets import DEMO_MODEL_NAME, demo_model_path
+
+            return demo_model_path(), self.served_model_name or DEMO_MODEL_NAME
+        return self.model, self.served_model_name or self.model
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.model_executor.model_loader import (
+            get_max_model_len,
+            load_model_files,
+            resolve_dtype,
+        )
+
+        path, served_name = self.resolved_model_path()
+        files = load_model_files(path)
+        dtype = resolve_dtype(files.hf_config, self.dtype)
+        max_model_len = get_max_model_len(files.hf_config, self.max_model_len)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        return EngineConfig(
+            model=ModelConfig(
+                model=path,
+                tokenizer=self.tokenizer,
+                served_model_name=served_name,
+                dtype=str(dtype).removeprefix("torch."),
+                max_model_len=max_model_len,
+                seed=self.seed,
+                trust_remote_code=self.trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=max_model_len,
+                policy=self.scheduling_policy,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
+            device=DeviceConfig(
+                device=self.device,
+                attention_backend=self.attention_backend or os.environ.get(ATTENTION_BACKEND_ENV),
+                num_threads=self.num_threads,
+            ),
+        )

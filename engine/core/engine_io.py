@@ -1,0 +1,50 @@
+"""Messages between the front end and the engine core (possibly another process).
+
+Compact msgspec structs (DESIGN lesson 3): array-like encoding, defaults omitted,
+enums as ints. They are the only things that cross the ZeroMQ socket; never pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.core.scheduler.output import LogprobsLists
+from engine.core.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One sequence to run (the front end fans ``n > 1`` out into several)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    max_tokens: int = 16  # resolved against max_model_len by the processor
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None  # engine.core.request.FinishReason value
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one step produced, plus the core's load for metrics."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    # Requests the core finished on its own (e.g. aborted by an error), by id.
+    finished_requests: list[str] = []

@@ -1,0 +1,57 @@
+"""Prefix-cache block hashes.
+
+A full block's hash is SHA-256 over the msgpack encoding of
+``(parent block hash, the block's token ids, extra keys)``. msgpack encodes ints and
+strings in one canonical form, so the digest depends only on the values (never on
+Python's randomized ``hash()``), is stable across processes and runs, and chaining the
+parent makes a block's hash name its whole prefix. The first block's parent is a fixed
+root digest. Extra keys (the request's cache salt) go into every block, so requests with
+different salts never share a block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+from engine.core.request import Request
+
+BlockHash = bytes
+ROOT_BLOCK_HASH: BlockHash = hashlib.sha256(b"engine.prefix-cache.root.v1").digest()
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[str | int | bytes, ...] = (),
+) -> BlockHash:
+    """Hash one full block given the hash of the block before it (None: first block)."""
+    parent = ROOT_BLOCK_HASH if parent_hash is None else parent_hash
+    return hashlib.sha256(_encode((parent, token_ids, extra_keys))).digest()
+
+
+def request_extra_keys(request: Request) -> tuple[str, ...]:
+    return () if request.cache_salt is None else (request.cache_salt,)
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend ``request.block_hashes`` to cover every full block of its tokens.
+
+    Incremental: only blocks filled since the last call are hashed, so the per-step
+    cost is the number of newly full blocks, not the context length.
+    """
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    if len(hashes) >= num_full:
+        return hashes
+    extra = request_extra_keys(request)
+    tokens = request.all_token_ids
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes

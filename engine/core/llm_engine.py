@@ -1,0 +1,125 @@
+"""LLMEngine: the synchronous front end (processor + core client + output processor).
+
+Text in, RequestOutputs out. The offline ``LLM`` class drives it; the core behind
+``client`` runs in this process here, or in another process for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Protocol
+
+from engine.core.config import EngineConfig
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from engine.core.outputs import RequestOutput
+from engine.core.output_processor import OutputProcessor
+from engine.core.processor import Processor
+from engine.core.sampling_params import SamplingParams
+from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
+
+
+class EngineCoreClient(Protocol):
+    """How a front end reaches an engine core, wherever it runs."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InprocClient:
+    """The engine core in this process: ``get_output`` runs one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.core.engine_core import EngineCore
+
+        self.core = EngineCore(config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.core.step()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
+    """Tokenizer-side setup shared by the sync and async front ends."""
+    from engine.model_executor.model_loader import load_model_files
+
+    files = load_model_files(config.model.model)
+    tokenizer = load_tokenizer(config.model.tokenizer_path)
+    eos_id, extra_eos = get_eos_token_ids(tokenizer, list(files.eos_token_ids) or None)
+    processor = Processor(
+        tokenizer,
+        max_model_len=config.scheduler.max_model_len,
+        eos_token_id=eos_id,
+        extra_eos_token_ids=extra_eos,
+        vocab_size=files.hf_config.vocab_size,
+    )
+    return processor, tokenizer
+
+
+class LLMEngine:
+    """Add requests, step, collect RequestOutputs."""
+
+    def __init__(self, config: EngineConfig, client: EngineCoreClient | None = None) -> None:
+        self.config = config
+        self.processor, self.tokenizer = build_processor(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = client if client is not None else InprocClient(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        processed = self.processor.process(
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time or time.monotonic(),
+            priority=priority,
+        )
+        self.output_processor.add_request(processed)
+        for child in processed.child_requests:
+            self.client.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        child_ids = self.output_processor.abort_requests(request_ids)
+        if child_ids:
+            self.client.abort_requests(child_ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.client.get_output()
+        result = self.output_processor.process_outputs(core_outputs.outputs)
+        if result.reqs_to_abort:
+            self.client.abort_requests(result.reqs_to_abort)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

@@ -1,0 +1,87 @@
+"""What crosses the scheduler <-> executor boundary each step.
+
+Diffs, not state (DESIGN lesson 3): a request the executor has never seen (or dropped
+after preemption) arrives in full as :class:`NewRequestData`; afterwards only its new
+block ids and progress travel in :class:`CachedRequestData`. The executor samples the
+tokens itself, so generated tokens need not travel back down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    # Prompt plus any tokens generated before a preemption (recompute resumes from here).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None  # the sampler masks it while output < min_tokens
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step deltas for requests the executor already holds (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision: ``num_scheduled_tokens`` is ``{req_id: tokens to compute}``."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Draft tokens to verify this step, per request (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the executor must forget before running this step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests whose next-token bitmask must be applied (structured outputs).
+    structured_output_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top-k logprobs of sampled (or prompt) tokens, one row per token.
+
+    Row ``i``: ``token_ids[i][0]`` is the chosen token and ``logprobs[i][0]`` its logprob,
+    followed by the top-k alternatives in descending order; ``ranks[i]`` is the chosen
+    token's rank in the full distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the executor sampled this step, in the executor's batch order."""
+
+    req_ids: list[str]
+    # Tokens accepted this step per request: [] for a prefill chunk that does not sample,
+    # one token normally, several when speculative tokens were accepted.
+    sampled_token_ids: list[list[int]]
+    # Per request: logprobs of its sampled tokens (None when not requested).
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Per request: logprobs of the prompt tokens computed this step (chunk by chunk).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

@@ -1,0 +1,431 @@
+"""The unified scheduler: one rule for prompts, outputs, prefix hits and drafts.
+
+Each step every scheduled request is granted ::
+
+    min(num_tokens_with_spec - num_computed_tokens, remaining budget,
+        long_prefill_token_threshold (if set, and chunked prefill is on))
+
+further capped so it never runs past ``max_model_len`` nor past the whole KV pool. There
+are no prefill and decode phases: a prompt that gets less than it needs is a chunked
+prefill, a decode is a grant of one token, speculative drafts are extra tokens.
+
+``schedule()`` runs in phases:
+
+1. running requests, in policy order; a request whose blocks cannot grow preempts the
+   last running request in policy order (possibly itself) until it fits;
+2. waiting requests, in policy order, while seats, budget and blocks last (skipped in a
+   step that preempted, so the victims are not re-admitted at once); requests not ready
+   (grammar compiling, remote KV in flight) are passed over without blocking others;
+3. the diff for the executor; then every scheduled request's ``num_computed_tokens``
+   advances by its grant. Advancing at schedule time (like vLLM V1) keeps the next
+   ``schedule()`` right even before outputs arrive; ``update_from_output`` only winds it
+   back for rejected speculative drafts.
+
+A request that needs more blocks than the whole pool (its tokens alone exceed it) can
+never run: it is finished as FINISHED_IGNORED, reported with finish_reason LENGTH (the
+capacity of the cache is its length limit) and no new tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.engine_io import EngineCoreOutput
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.core.scheduler.output import (
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.core.scheduler.policy import SchedulingPolicy
+from engine.core.scheduler.stats import SchedulerStats
+from engine.core.scheduler.stop import check_stop
+
+logger = logging.getLogger(__name__)
+
+ReadyCheck = Callable[[Request], bool]
+_NOT_READY_STATES = (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KV)
+_ADMISSIBLE_STATES = (RequestStatus.WAITING, *_NOT_READY_STATES)
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def record(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+        if is_new:
+            self.new_reqs.append(request)
+        else:
+            self.cached_reqs.append(request)
+            self.new_block_ids[request.request_id] = block_ids
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        *,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        # Slots reserved past the scheduled tokens for speculative drafts.
+        self.num_lookahead_tokens = num_lookahead_tokens
+
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.requests: dict[str, Request] = {}
+        self.waiting = self.policy.new_waiting_queue()
+        self.running: list[Request] = []  # kept sorted by self.policy.key
+        # Finished since the last schedule(): the executor drops their state.
+        self.finished_req_ids: set[str] = set()
+        # Outputs produced inside schedule() (ignored requests), returned by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._ready_checks: dict[RequestStatus, ReadyCheck] = {}
+        self._num_preemptions_interval = 0
+        self.num_preemptions_total = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already scheduled")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if request.status not in _ADMISSIBLE_STATES:
+            raise ValueError(f"request {rid!r} arrives in state {request.status.name}")
+        self.policy.register(request)
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish waiting or running requests from outside (abort, stop string).
+
+        Unknown or already finished ids are ignored: an abort may race a natural finish.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # -- readiness hook ---------------------------------------------------------------------
+    def register_ready_check(self, status: RequestStatus, check: ReadyCheck) -> None:
+        """Let a component (grammar compiler, KV connector) say when a request may run."""
+        if status not in _NOT_READY_STATES:
+            raise ValueError(f"no ready check is consulted for state {status.name}")
+        self._ready_checks[status] = check
+
+    def is_ready(self, request: Request) -> bool:
+        """False while the request waits for its grammar or its remote KV.
+
+        The registered check for its state decides; once it says yes the request becomes
+        plain WAITING. With no check registered the request stays parked until someone
+        sets its status to WAITING.
+        """
+        if request.status not in _NOT_READY_STATES:
+            return True
+        check = self._ready_checks.get(request.status)
+        if check is None or not check(request):
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_req_ids:
+            self._schedule_waiting(step)
+        return self._make_output(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        i = 0
+        while i < len(self.running) and step.token_budget > 0:
+            request = self.running[i]
+            if request.num_tokens > kv.max_num_tokens:
+                del self.running[i]
+                self._finish_ignored(request)
+                continue
+            num_new = self._grant(request, request.num_computed_tokens, step.token_budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while True:
+                block_ids = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+                if block_ids is not None:
+                    break
+                # The last running request has the lowest precedence and, being at or
+                # after index i, is not scheduled yet this step.
+                victim = self.running.pop()
+                self._preempt(victim, step)
+                if victim is request:
+                    return
+            step.record(request, num_new, block_ids, is_new=False)
+            i += 1
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        skipped: list[Request] = []
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if not self.is_ready(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if request.num_tokens > kv.max_num_tokens:
+                self.waiting.pop()
+                self._finish_ignored(request)
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = self._grant(request, num_hit, step.token_budget)
+            if num_new <= 0:
+                break
+            if not self.enable_chunked_prefill and num_new < request.num_tokens_with_spec - num_hit:
+                break  # the whole prompt must fit this step's remaining budget
+            lookahead = self._lookahead(num_hit + num_new)
+            block_ids = kv.allocate_slots(request, num_new, num_hit, hit_blocks, lookahead)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            bisect.insort(self.running, request, key=self.policy.key)
+            step.record(request, num_new, block_ids, is_new=True)
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _grant(self, request: Request, num_computed: int, token_budget: int) -> int:
+        """The unified rule: how many of the request's pending tokens run this step."""
+        num_new = min(request.num_tokens_with_spec - num_computed, token_budget)
+        threshold = self.long_prefill_token_threshold
+        if self.enable_chunked_prefill and 0 < threshold < num_new:
+            num_new = threshold
+        return min(
+            num_new,
+            self.max_model_len - num_computed,
+            self.kv_cache_manager.max_num_tokens - num_computed,
+        )
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        room = self.kv_cache_manager.max_num_tokens - num_tokens_after_step
+        return max(0, min(self.num_lookahead_tokens, room))
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Preempt by recompute: drop the blocks, start over from the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        step.preempted_req_ids.add(request.request_id)
+        self._num_preemptions_interval += 1
+        self.num_preemptions_total += 1
+
+    def _finish_ignored(self, request: Request) -> None:
+        logger.warning(
+            "request %s needs %d tokens of KV cache but the whole cache holds %d: "
+            "finishing it (finish_reason=length)",
+            request.request_id,
+            request.num_tokens,
+            self.kv_cache_manager.max_num_tokens,
+        )
+        request.status = RequestStatus.FINISHED_IGNORED
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=int(FinishReason.LENGTH),
+                num_cached_tokens=max(0, request.num_cached_tokens),
+            )
+        )
+        self._release(request)
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        """Build the executor's diff, then advance every scheduled request."""
+        kv = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_id=r.eos_token_id,
+            )
+            for r in step.new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in step.cached_reqs:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(step.new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+
+        spec_tokens: dict[str, list[int]] = {}
+        for r in (*step.new_reqs, *step.cached_reqs):
+            num_new = step.num_scheduled_tokens[r.request_id]
+            num_spec = r.num_computed_tokens + num_new - r.num_tokens
+            if num_spec > 0:
+                del r.spec_token_ids[num_spec:]
+                spec_tokens[r.request_id] = list(r.spec_token_ids)
+            r.num_computed_tokens += num_new
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=finished,
+            preempted_req_ids=step.preempted_req_ids,
+        )
+
+    # -- update -----------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, free finished requests."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        finished: list[Request] = []
+        for i, rid in enumerate(model_runner_output.req_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING or rid not in scheduled:
+                continue  # finished or aborted since schedule()
+            sampled = model_runner_output.sampled_token_ids[i]
+            drafts = spec.get(rid)
+            if drafts:
+                if sampled:
+                    # Drafts after the first rejection were computed in vain.
+                    request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                request.spec_token_ids.clear()
+            if request.num_computed_tokens < request.num_tokens:
+                sampled = []  # mid-prefill: the chunk's last logits are not a next token
+            new_token_ids = self._append_tokens(request, sampled)
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
+            if not (new_token_ids or request.is_finished or prompt_logprobs):
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=new_token_ids,
+                    finish_reason=_finish_reason(request),
+                    stop_reason=request.stop_reason,
+                    new_logprobs=_take_rows(
+                        model_runner_output.logprobs.get(rid), len(new_token_ids)
+                    ),
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(0, request.num_cached_tokens),
+                )
+            )
+            if request.is_finished:
+                finished.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._release(request)
+        return outputs
+
+    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
+        """Accept sampled tokens one by one until a stop rule fires."""
+        for n, token in enumerate(sampled, start=1):
+            request.append_output_token_ids([token])
+            if check_stop(request, self.max_model_len):
+                return sampled[:n]
+        return sampled
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request (already out of both queues) and free its blocks."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.policy.forget(request)
+        self.finished_req_ids.add(request.request_id)
+
+    # -- stats and cache control ------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        num_preemptions, self._num_preemptions_interval = self._num_preemptions_interval, 0
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=num_preemptions,
+            prefix_cache_requests=prefix.requests,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _finish_reason(request: Request) -> int | None:
+    reason = request.status.finish_reason
+    return None if reason is None else int(reason)
+
+
+def _take_rows(logprobs: LogprobsLists | None, n: int) -> LogprobsLists | None:
+    """The logprob rows of the first ``n`` sampled tokens (the ones accepted)."""
+    if logprobs is None or n == 0:
+        return None
+    if len(logprobs.token_ids) <= n:
+        return logprobs
+    return LogprobsLists(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])

@@ -1,0 +1,150 @@
+"""The offline API, shaped like vLLM's ``LLM`` so users can switch by changing an import."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.core.engine_args import EngineArgs
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate from a model directory (or the embedded demo model) in this process.
+
+    Every keyword of :class:`EngineArgs` is accepted, e.g. ``device``, ``dtype``,
+    ``max_model_len``, ``enable_prefix_caching``, ``max_num_batched_tokens``,
+    ``max_num_seqs``, ``block_size``, ``cpu_kvcache_space_gib``.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(
+                f"priority has {len(priority)} entries for {len(prompt_list)} prompts"
+            )
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                request_id = engine.next_request_id()
+                engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+                request_ids.append(request_id)
+            return self._run_to_completion(request_ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = _as_conversations(messages)
+        prompts = [
+            self.llm_engine.processor.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        client = self.llm_engine.client
+        return bool(getattr(client, "core", None) and client.core.reset_prefix_cache())
+
+    # -- internals ------------------------------------------------------------------------
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [list(prompts)]  # a single prompt given as token ids
+        return list(prompts)
+    raise ValueError(
+        f"prompts must be a string, a list of token ids, a dict or a list of those, "
+        f"not {type(prompts).__name__}"
+    )
+
+
+def _broadcast_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:
+    if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
+        return [list(messages)]  # type: ignore[list-item]
+    if isinstance(messages, Sequence) and messages and all(isinstance(m, list) for m in messages):
+        return [list(m) for m in messages]
+    raise ValueError("messages must be a list of {'role', 'content'} dicts, or a list of such lists")
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=total < 2)

@@ -1,0 +1,181 @@
+"""The Triton attention backend shared by the GPU plugins (and the CPU platform in tests).
+
+KV cache layout: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
+head_size]`` in the model dtype (index 0 = K, 1 = V). Each layer's ``forward`` writes the
+step's new K/V rows (``reshape_and_cache``) and then runs ``unified_attention`` over the
+cache; whether long decodes split their keys over several programs (split-KV) is decided
+once per step in :meth:`TritonAttentionBackend.build_metadata`.
+
+Importing this module needs no triton; constructing the backend does, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from engine.core.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionImpl,
+    AttentionLayerSpec,
+)
+from engine.kernels.triton_utils import compute_units, require_triton
+
+if TYPE_CHECKING:
+    from engine.kernels.split_kv import SplitKVWorkspace
+
+MIN_HEAD_SIZE = 16
+MAX_HEAD_SIZE = 256  # beyond this the fp32 accumulator tile no longer fits in registers
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """Per-step inputs of the kernels, shared by every layer of the step."""
+
+    num_reqs: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    seq_lens: torch.Tensor  # int32 [R]
+    block_tables: torch.Tensor  # int32 [R, M]
+    slot_mapping: torch.Tensor  # int64 [T]
+    max_query_len: int
+    max_seq_len: int
+    num_kv_splits: int  # 1 = single pass; > 1 = split-KV with that many splits
+    workspace: SplitKVWorkspace  # split-KV partial buffers, reused across layers/steps
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """One layer: store this step's K/V, then attend over the paged cache."""
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        super().__init__(spec)
+        from engine.kernels.reshape_and_cache import reshape_and_cache
+        from engine.kernels.unified_attention import unified_attention
+
+        self._reshape_and_cache = reshape_and_cache
+        self._unified_attention = unified_attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        """``key``/``value`` None: this layer reuses K/V another layer already stored."""
+        if (key is None) != (value is None):
+            raise ValueError("key and value must both be given or both be None")
+        if key is not None:
+            self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        spec = self.spec
+        return self._unified_attention(
+            query,
+            kv_cache,
+            out,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            spec.scale,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+            num_kv_splits=metadata.num_kv_splits,
+            workspace=metadata.workspace,
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in portable Triton: any block size, head sizes 16..256, GQA."""
+
+    name: ClassVar[str] = "triton"
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        num_compute_units: int | None = None,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        """``num_compute_units``: SMs/CUs used to size split-KV (probed when None);
+        ``num_kv_splits``: force a split count every step (None: decide per step)."""
+        require_triton()
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_kv_splits is not None and num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+        super().__init__(block_size, torch.device(device))
+        from engine.kernels.split_kv import SplitKVWorkspace, choose_num_kv_splits
+
+        self._choose_num_kv_splits = choose_num_kv_splits
+        self._workspace = SplitKVWorkspace()
+        self.num_compute_units = num_compute_units or compute_units(self.device)
+        self.forced_num_kv_splits = num_kv_splits
+        self._num_kv_heads = 1  # the widest layer made so far sizes the split decision
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supported_head_sizes(cls) -> list[int] | None:
+        return list(range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1))
+
+    @classmethod
+    def supported_block_sizes(cls) -> list[int] | None:
+        """Any: the kernel looks up the block of every key position separately."""
+        return None
+
+    @classmethod
+    def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
+        if not MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE:
+            return (
+                f"{cls.name} supports head sizes {MIN_HEAD_SIZE}..{MAX_HEAD_SIZE}, "
+                f"not {spec.head_size}"
+            )
+        if spec.num_kv_heads < 1 or spec.num_heads % spec.num_kv_heads != 0:
+            return (
+                f"{cls.name} needs num_heads ({spec.num_heads}) to be a multiple of "
+                f"num_kv_heads ({spec.num_kv_heads})"
+            )
+        if block_size < 1:
+            return f"{cls.name} needs a positive block size, not {block_size}"
+        return super().validate(spec, block_size)
+
+    def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        if self.forced_num_kv_splits is not None:
+            splits = self.forced_num_kv_splits
+        else:
+            splits = self._choose_num_kv_splits(
+                batch.num_reqs,
+                self._num_kv_heads,
+                batch.max_query_len,
+                batch.max_seq_len,
+                self.num_compute_units,
+            )
+        return TritonAttentionMetadata(
+            num_reqs=batch.num_reqs,
+            num_tokens=batch.num_tokens,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=batch.slot_mapping,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            num_kv_splits=splits,
+            workspace=self._workspace,
+        )
+
+    def make_impl(self, spec: AttentionLayerSpec) -> TritonAttentionImpl:
+        reason = self.validate(spec, self.block_size)
+        if reason is not None:
+            raise ValueError(reason)
+        self._num_kv_heads = max(self._num_kv_heads, spec.num_kv_heads)
+        return TritonAttentionImpl(spec)

@@ -1,0 +1,390 @@
+"""Unified paged attention: one Triton kernel for prefill chunks and decodes together.
+
+Contract (engine/core/interfaces/attention.py): request ``r`` owns query rows
+``query_start_loc[r] : query_start_loc[r+1]``; its row ``i`` sits at position
+``seq_lens[r] - query_len + i`` and attends causally to cached keys ``0 ..= position``
+(only the last ``sliding_window`` of them when a window is set). Keys are read from the
+paged cache ``[2, num_blocks, block_size, num_kv_heads, head_size]`` through
+``block_tables``.
+
+Algorithm. The launch grid is ``(query blocks, kv heads, kv splits)``. A query block is
+``BLOCK_Q`` consecutive query tokens of one request times the ``num_heads /
+num_kv_heads`` query heads that share a KV head (GQA), i.e. ``BLOCK_M = BLOCK_Q *
+QPK_PAD`` rows of one matrix, so every K/V tile loaded from the cache serves all of
+them. Request ``r``'s query blocks are numbered from ``query_start_loc[r] // BLOCK_Q +
+r``, which bounds the grid by ``T // BLOCK_Q + R`` without reading device data on the
+host; a program finds its request by binary search and exits if it has no rows. It then
+walks the keys in tiles of ``TILE`` positions (any block size: each position looks up
+its own block), with online softmax in fp32 (base-2 exponentials, log2(e) folded into
+the scores).
+
+Split-KV (flash-decoding): with ``num_kv_splits > 1`` each program handles only an equal
+share of its key tiles and writes partial (max, sum, unnormalised output) rows; a second
+kernel merges the shares. It pays off when ``requests x kv heads`` programs cannot fill
+the device, i.e. few long decodes; :func:`choose_num_kv_splits` decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import stats
+from engine.kernels.split_kv import SplitKVWorkspace, choose_num_kv_splits, split_kv_reduce
+from engine.kernels.triton_utils import (
+    check_device,
+    check_dtype,
+    compute_units,
+    interpreting,
+    next_power_of_2,
+)
+
+_INTERPRETED = interpreting()  # triton.jit below decides the same way, at import time
+
+
+@triton.jit
+def _tanh(x):
+    """Portable tanh (no vendor libdevice): 1 - 2 / (exp(2x) + 1), exact at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q: tl.constexpr):
+    """The request whose query blocks include ``q_block`` (binary search)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    part_max_ptr,  # float32 [T, num_heads, NUM_SPLITS] (only used when NUM_SPLITS > 1)
+    part_sum_ptr,  # float32 [T, num_heads, NUM_SPLITS]
+    part_acc_ptr,  # float32 [T, num_heads, NUM_SPLITS, HEAD_PAD]
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_reqs,
+    num_heads,
+    scale,
+    soft_cap,
+    sliding_window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    block_size,
+    head_size,
+    num_queries_per_kv,
+    BLOCK_Q: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, num_reqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    # Rows: query token (row // QPK_PAD) x query head of this KV head's group.
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = local_block * BLOCK_Q + rows // QPK_PAD
+    head_in_group = rows % QPK_PAD
+    head = kv_head * num_queries_per_kv + head_in_group
+    row_valid = (q_tok < q_len) & (head_in_group < num_queries_per_kv)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < head_size
+    token = (q_start + q_tok).to(tl.int64)
+    q_pos = context_len + q_tok
+
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    # Cast right after every load: the interpreter cannot do arithmetic on bf16.
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    q_dot = q.to(DOT_DTYPE)
+
+    # Keys this program may need: up to its last query's position, from the first
+    # query's window start.
+    key_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+    key_start = 0
+    if USE_WINDOW:
+        key_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
+    tile_lo = key_start // TILE
+    tile_hi = tl.cdiv(key_end, TILE)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    block_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    tile_offs = tl.arange(0, TILE)
+
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE + tile_offs
+        k_valid = k_pos < key_end
+        block = tl.load(block_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+        slot = block * stride_cb + (k_pos % block_size).to(tl.int64) * stride_cs
+        slot = slot + kv_head * stride_ch
+        kv_mask = k_valid[None, :] & dim_valid[:, None]
+        k = tl.load(
+            key_cache_ptr + slot[None, :] + dims[:, None] * stride_cd, mask=kv_mask, other=0.0
+        ).to(tl.float32)  # [HEAD_PAD, TILE]
+        v = tl.load(
+            value_cache_ptr + slot[:, None] + dims[None, :] * stride_cd,
+            mask=k_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [TILE, HEAD_PAD]
+
+        s = tl.dot(q_dot, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = s * 1.4426950408889634  # log2(e): exp2 below
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        acc_off = part[:, None] * HEAD_PAD + dims[None, :]
+        tl.store(part_acc_ptr + acc_off, acc, mask=row_valid[:, None])
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int
+    tile: int
+    num_warps: int
+    num_stages: int
+
+
+def _launch_config(
+    max_query_len: int, qpk_pad: int, head_pad: int, dtype: torch.dtype
+) -> _LaunchConfig:
+    """Tile shapes: tl.dot needs every dimension >= 16; prefill wants taller query tiles.
+
+    fp32 runs its dots at IEEE precision on CUDA cores, which needs small tiles to stay
+    in registers.
+    """
+    if dtype == torch.float32:
+        return _LaunchConfig(max(16, qpk_pad), 16, 4, 2)
+    if max_query_len == 1:
+        return _LaunchConfig(max(16, qpk_pad), 64 if head_pad <= 128 else 32, 4, 2)
+    block_m = 64 if head_pad <= 128 else 32
+    return _LaunchConfig(max(block_m, qpk_pad), 32, 4, 2)
+
+
+def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """The dtype fed to tl.dot (fp32 accumulation always) and its fp32 precision mode."""
+    if _INTERPRETED or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
+
+
+def _validate(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_size], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    if q.dim() != 3 or q.shape[2] != head_size:
+        raise ValueError(f"q must be [T, num_heads, {head_size}], got {tuple(q.shape)}")
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if head_size < 16:
+        raise ValueError(f"head_size must be >= 16, got {head_size}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    for name, tensor in (("q", q), ("kv_cache", kv_cache), ("out", out)):
+        check_dtype(name, tensor)
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(
+            f"query_start_loc must have {num_reqs + 1} entries for {num_reqs} requests, "
+            f"got {tuple(query_start_loc.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_tables must be [>= {num_reqs}, M], got {tuple(block_tables.shape)}"
+        )
+    for name, tensor in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+    ):
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    check_device(_INTERPRETED, q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
+    block_m: int | None = None,
+    tile_size: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``q`` [T, num_heads, head_size] into ``out`` (returned).
+
+    ``num_kv_splits``: None picks automatically (:func:`choose_num_kv_splits`), 1 forces
+    the single-pass kernel, n > 1 forces split-KV with n splits. ``block_m`` / ``tile_size``
+    override the query-rows x key-positions tile (powers of two, >= 16 on a GPU).
+    """
+    _validate(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(
+            f"sliding_window must be positive (or None/0 for off), got {sliding_window}"
+        )
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+    num_tokens, num_heads, head_size = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    qpk = num_heads // num_kv_heads
+    qpk_pad = next_power_of_2(qpk)
+    head_pad = next_power_of_2(head_size)
+    config = _launch_config(max_query_len, qpk_pad, head_pad, q.dtype)
+    rows = block_m if block_m is not None else config.block_m
+    tile = tile_size if tile_size is not None else config.tile
+    if rows < qpk_pad or rows & (rows - 1) or tile & (tile - 1):
+        raise ValueError(
+            f"block_m ({rows}) must be a power of two >= {qpk_pad} and tile_size ({tile}) "
+            "a power of two"
+        )
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_reqs, num_kv_heads, max_query_len, max_seq_len, compute_units(q.device)
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    block_q = rows // qpk_pad
+    dot_dtype, dot_precision = _dot_types(q.dtype)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if num_kv_splits > 1:
+        workspace = workspace if workspace is not None else SplitKVWorkspace()
+        part_max, part_sum, part_acc = workspace.get(
+            num_tokens, num_heads, num_kv_splits, head_pad, q.device
+        )
+    else:
+        part_max = part_sum = part_acc = out  # never touched by the single-pass kernel
+
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_kv_splits)
+    _unified_attention_kernel[grid](
+        q,
+        key_cache,
+        value_cache,
+        out,
+        part_max,
+        part_sum,
+        part_acc,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_reqs,
+        num_heads,
+        float(scale),
+        float(logits_soft_cap or 0.0),
+        int(sliding_window or 0),
+        *q.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        block_tables.stride(0),
+        block_size,
+        head_size,
+        qpk,
+        BLOCK_Q=block_q,
+        QPK_PAD=qpk_pad,
+        BLOCK_M=rows,
+        HEAD_PAD=head_pad,
+        TILE=tile,
+        NUM_SPLITS=num_kv_splits,
+        USE_SOFT_CAP=bool(logits_soft_cap),
+        USE_WINDOW=bool(sliding_window),
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_kv_splits == 1:
+        stats.launches.unified_attention += 1
+        return out
+    stats.launches.split_kv_attention += 1
+    split_kv_reduce(out, (part_max, part_sum, part_acc), num_kv_splits)
+    return out

@@ -1,0 +1,49 @@
+"""Per-step state that attention layers read without threading it through every call.
+
+The model runner builds the attention metadata once per step and wraps the model's
+forward in :func:`set_forward_context`; each :class:`~engine.model_executor.layers.
+attention.Attention` layer picks its own cache by layer index. Keeping this out of the
+model signature lets every model keep the plain ``forward(input_ids, positions)`` shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """What the attention layers need during one model forward."""
+
+    attn_metadata: Any  # whatever the backend's build_metadata returned this step
+    kv_caches: list[torch.Tensor]  # one tensor per attention layer, by layer index
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` current for the duration of one model forward (nesting restores)."""
+    global _current
+    previous = _current
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the forward in progress; a clear error outside one."""
+    if _current is None:
+        raise RuntimeError(
+            "no forward context is set: run the model inside "
+            "`with set_forward_context(ForwardContext(attn_metadata, kv_caches)):`"
+        )
+    return _current

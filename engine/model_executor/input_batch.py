@@ -1,0 +1,141 @@
+"""Persistent per-request state of the model runner, kept in numpy rows.
+
+Each running request owns one row for its whole life in the executor. The scheduler
+sends a request in full once (``NewRequestData``) and then only deltas, which are
+applied here in place; nothing is rebuilt per step. Step tensors are gathered from
+these rows with a handful of vectorized numpy operations (see ``prepare_step``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepIndices:
+    """The flat token layout of one step, computed in bulk from the rows."""
+
+    rows: np.ndarray  # int64 [R], batch order
+    num_scheduled: np.ndarray  # int32 [R]
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    positions: np.ndarray  # int64 [T]
+    input_ids: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [R]
+    block_tables: np.ndarray  # int32 [R, M]
+    # Rows (batch indices) whose last scheduled token is the last known token: they sample.
+    sample_batch_idx: np.ndarray  # int64 [S]
+    logits_indices: np.ndarray  # int64 [S], flat token index whose hidden state samples
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    """Token ids, progress and block tables of up to ``max_num_reqs`` requests."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_id_to_row: dict[str, int] = {}
+        self.row_to_req_id: list[str | None] = [None] * max_num_reqs
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives row 0 first
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def add(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        block_ids: list[int],
+        num_computed_tokens: int,
+    ) -> int:
+        if req_id in self.req_id_to_row:
+            raise ValueError(f"request {req_id!r} is already in the batch")
+        if not self._free_rows:
+            raise RuntimeError("input batch is full: the scheduler exceeded max_num_seqs")
+        row = self._free_rows.pop()
+        n_prompt, n_out = len(prompt_token_ids), len(output_token_ids)
+        self.token_ids[row, :n_prompt] = prompt_token_ids
+        self.token_ids[row, n_prompt : n_prompt + n_out] = output_token_ids
+        self.num_prompt_tokens[row] = n_prompt
+        self.num_tokens[row] = n_prompt + n_out
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.req_id_to_row[req_id] = row
+        self.row_to_req_id[row] = req_id
+        return row
+
+    def remove(self, req_id: str) -> int | None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is not None:
+            self.row_to_req_id[row] = None
+            self._free_rows.append(row)
+        return row
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Record one sampled token per row (bulk)."""
+        room = self.num_tokens[rows] < self.max_model_len
+        rows, token_ids = rows[room], token_ids[room]
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    # -- step preparation -----------------------------------------------------------------
+    def prepare_step(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepIndices:
+        """Flatten the scheduled requests into one token batch, all in numpy."""
+        bs = self.block_size
+        num_scheduled = num_scheduled.astype(np.int32)
+        cu = np.cumsum(num_scheduled, dtype=np.int64)
+        total = int(cu[-1])
+        starts = cu - num_scheduled
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        query_start_loc[1:] = cu
+        token_row = np.repeat(rows, num_scheduled)
+        offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(starts, num_scheduled)
+        computed = self.num_computed_tokens[rows]
+        positions = np.repeat(computed, num_scheduled) + offset_in_req
+        input_ids = self.token_ids[token_row, positions]
+        block_idx = positions // bs
+        slot_mapping = self.block_table[token_row, block_idx].astype(np.int64) * bs + positions % bs
+        seq_lens = (computed + num_scheduled).astype(np.int32)
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // bs)
+        block_tables = self.block_table[rows, :width]
+        samples = seq_lens >= self.num_tokens[rows]
+        sample_batch_idx = np.flatnonzero(samples)
+        logits_indices = cu[sample_batch_idx] - 1
+        return StepIndices(
+            rows=rows,
+            num_scheduled=num_scheduled,
+            query_start_loc=query_start_loc,
+            positions=positions,
+            input_ids=input_ids,
+            slot_mapping=slot_mapping,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            sample_batch_idx=sample_batch_idx,
+            logits_indices=logits_indices,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+        )

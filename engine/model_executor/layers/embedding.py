@@ -1,0 +1,77 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_executor.layers.linear import default_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    """``ids [T] -> [T, hidden]``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LMHead(nn.Module):
+    """``hidden [N, hidden] -> logits [N, vocab]`` in float32 (what samplers want)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(
+            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(vocab_size, dtype=dtype, device=device), requires_grad=False
+            )
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self.tied = False
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Share the embedding matrix (``tie_word_embeddings``)."""
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(
+                f"cannot tie LM head {tuple(self.weight.shape)} to embedding "
+                f"{tuple(embedding.weight.shape)}"
+            )
+        self.weight = embedding.weight
+        self.tied = True
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias).float()

@@ -1,0 +1,192 @@
+"""Linear layers whose GEMM goes through a method object.
+
+A layer owns its parameters; *how* they are created and multiplied belongs to a
+linear method. The default :class:`UnquantizedLinearMethod` holds a dense weight and
+calls ``torch.nn.functional.linear``. A quantized format plugs in through the same two
+calls (``create_weights`` / ``apply``, the signatures of
+:class:`engine.core.interfaces.QuantMethod`), so the model code never changes when a
+checkpoint is quantized.
+
+Merged layers (``qkv_proj``, ``gate_up_proj``) concatenate several checkpoint tensors
+along the output dimension so one GEMM replaces two or three; their parameters carry a
+``weight_loader(param, tensor, shard_id)`` that copies one checkpoint tensor into its
+slice, and ``shard_ids`` so the loader can tell which slices are still missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(Protocol):
+    """What a layer asks of its linear method (QuantMethod satisfies this)."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
+    ) -> None: ...
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """Dense ``[out, in]`` weight in the model dtype; ``y = x W^T + b``."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
+    ) -> None:
+        weight = torch.empty(out_features, in_features, dtype=params_dtype, device=layer.device)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Copy a checkpoint tensor into ``param`` (casting dtype), refusing shape mismatches."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(loaded)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Whole-tensor load for parameters that are not merged."""
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
+    copy_checked(param, loaded, "parameter")
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T (+ b)`` with the GEMM delegated to ``quant_method``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.params_dtype = dtype
+        self.device = torch.device(device)
+        self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, in_features, out_features, dtype)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=dtype, device=self.device), requires_grad=False
+            )
+        else:
+            self.register_parameter("bias", None)
+        self._set_loaders()
+
+    def _set_loaders(self) -> None:
+        for param in self.parameters(recurse=False):
+            param.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """A plain linear layer loaded from one checkpoint tensor."""
+
+
+class MergedLinear(LinearBase):
+    """Several checkpoint linears stacked along the output dimension.
+
+    ``shards`` maps a shard id (what the model's name mapping passes) to the number of
+    output rows it owns, in concatenation order.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[Any, int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        self.shard_sizes = dict(shards)
+        self.shard_offsets: dict[Any, int] = {}
+        offset = 0
+        for shard_id, size in self.shard_sizes.items():
+            self.shard_offsets[shard_id] = offset
+            offset += size
+        super().__init__(
+            in_features,
+            offset,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            quant_method=quant_method,
+        )
+
+    def _set_loaders(self) -> None:
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self._load_shard
+            param.shard_ids = tuple(self.shard_sizes)
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"merged linear has shards {list(self.shard_sizes)}, not {shard_id!r}")
+        start = self.shard_offsets[shard_id]
+        copy_checked(
+            param.narrow(0, start, self.shard_sizes[shard_id]), loaded, f"shard {shard_id}"
+        )
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split a forward output back into its shards (views, no copy)."""
+        return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """Fused q/k/v projection: shards ``"q"``, ``"k"``, ``"v"``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        self.head_size = head_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        super().__init__(
+            hidden_size,
+            {
+                "q": num_heads * head_size,
+                "k": num_kv_heads * head_size,
+                "v": num_kv_heads * head_size,
+            },
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            quant_method=quant_method,
+        )

@@ -1,0 +1,45 @@
+"""RMSNorm, with the residual add fused into the same call.
+
+Decoder layers keep the residual stream separate from the normalized activations:
+``norm(x, residual)`` adds ``x`` into the residual and normalizes the sum, which saves
+a pass over the hidden states per sub-layer and keeps the HF arithmetic order (sum in
+the model dtype, normalize in float32, cast back, then scale by the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self._norm(x)
+        summed = residual + x
+        return self._norm(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

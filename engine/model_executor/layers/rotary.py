@@ -1,0 +1,171 @@
+"""Rotary position embedding (neox / rotate-half convention, as in HF Llama).
+
+The inverse frequencies follow transformers' ``modeling_rope_utils`` formulas for the
+``default``, ``linear``, ``dynamic`` (NTK) and ``llama3`` rope types, computed in float32
+the same way, so cos/sin match transformers bit for bit within the trained context. A
+``[max_positions, head_size]`` cos|sin table is built once and indexed by the flat
+``positions`` of each step, then cast to the model dtype exactly where transformers casts.
+
+Dynamic NTK: transformers recomputes the base from the current sequence length
+``L = max(position) + 1`` of each forward call (and keeps the original base while
+``L <= max_position_embeddings``). A paged engine cannot re-rotate cached keys, so each
+position ``p`` is given the base transformers uses when ``p`` is the newest token
+(``L = p + 1``): identical to transformers inside the trained context and to its
+token-by-token decoding beyond it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The rope parameters of one model, normalized across config versions."""
+
+    rope_type: str
+    theta: float
+    max_position_embeddings: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the table must cover (linear / dynamic stretch the context)."""
+        if self.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.factor)
+        return self.max_position_embeddings
+
+
+def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
+    """Read rope settings from a transformers config (v5 ``rope_parameters`` or v4 fields)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: "
+            + ", ".join(SUPPORTED_ROPE_TYPES)
+        )
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ValueError(f"partial rotary embeddings (factor {partial}) are not supported")
+    max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    if max_pos <= 0:
+        raise ValueError("the model config has no max_position_embeddings for rotary embeddings")
+    theta = params.get("rope_theta")
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        theta=float(10000.0 if theta is None else theta),
+        max_position_embeddings=max_pos,
+    )
+    if rope_type == "default":
+        return scaling
+    if params.get("factor") is None:
+        raise ValueError(f"rope_type {rope_type!r} needs a 'factor' in the rope parameters")
+    extra: dict[str, Any] = {"factor": float(params["factor"])}
+    if rope_type == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
+        if missing:
+            raise ValueError(f"llama3 rope parameters lack {missing}")
+        extra["low_freq_factor"] = float(params["low_freq_factor"])
+        extra["high_freq_factor"] = float(params["high_freq_factor"])
+        extra["original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings")
+            or getattr(hf_config, "original_max_position_embeddings", None)
+            or max_pos
+        )
+    return RopeScaling(**{**scaling.__dict__, **extra})
+
+
+def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    return 1.0 / (theta**exponent)
+
+
+def compute_inv_freq(scaling: RopeScaling, head_size: int) -> torch.Tensor:
+    """Inverse frequencies: ``[head_size // 2]``, or ``[max_positions, head_size // 2]``
+    for dynamic NTK (one row per position, see the module docstring)."""
+    dim = head_size
+    if scaling.rope_type == "default":
+        return _base_inv_freq(scaling.theta, dim)
+    if scaling.rope_type == "linear":
+        return _base_inv_freq(scaling.theta, dim) / scaling.factor
+    if scaling.rope_type == "dynamic":
+        max_pos, factor = scaling.max_position_embeddings, scaling.factor
+        seq_len = torch.arange(1, scaling.max_positions + 1, dtype=torch.float64).clamp(min=max_pos)
+        base = scaling.theta * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        return 1.0 / (base.to(torch.float32)[:, None] ** exponent[None, :])
+    if scaling.rope_type == "llama3":
+        inv_freq = _base_inv_freq(scaling.theta, dim)
+        factor = scaling.factor
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flat ``q [T, H*D]`` / ``k [T, Hkv*D]`` at ``positions [T]``."""
+
+    def __init__(
+        self,
+        head_size: int,
+        scaling: RopeScaling,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        if head_size % 2:
+            raise ValueError(f"rotary embeddings need an even head size, not {head_size}")
+        self.head_size = head_size
+        self.scaling = scaling
+        self.max_positions = scaling.max_positions
+        inv_freq = compute_inv_freq(scaling, head_size)
+        t = torch.arange(self.max_positions, dtype=torch.int64).float()
+        # float32 products as transformers computes them, then cos/sin, then the cast.
+        freqs = t[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        x1, x2 = x.chunk(2, dim=-1)
+        # Same operations in the same dtype as HF's ``q * cos + rotate_half(q) * sin``.
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.view(shape)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, {self.scaling}"

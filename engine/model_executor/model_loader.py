@@ -1,0 +1,284 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into an engine model.
+
+Steps: :func:`load_model_files` checks the directory and resolves the architecture
+(clear errors for every way a directory can be unusable), :func:`resolve_dtype` and
+:func:`get_max_model_len` turn user options into concrete values, and
+:func:`load_model` builds the model directly on the target device in the target dtype
+(parameters are allocated uninitialized, never randomly initialized) and streams the
+checkpoint tensors into it one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.core.interfaces import AttentionBackend
+from engine.model_executor.layers.rotary import rope_scaling_from_config
+from engine.model_executor.models.interface import ModelInitContext
+from engine.model_executor.models.registry import MODEL_REGISTRY, ModelRegistry
+from engine.model_executor.weight_utils import safetensors_weights_iterator
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Config keys that bound the context length, as vLLM reads them.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+DEFAULT_MAX_MODEL_LEN = 2048  # when the config names no limit at all
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The parts of ``generation_config.json`` the engine uses."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass
+class ModelFiles:
+    """A checked model directory."""
+
+    path: Path
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    model_cls: type[nn.Module]
+    weight_files: list[Path]
+    generation: GenerationDefaults | None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids: generation_config.json first, else config.json."""
+        if self.generation is not None and self.generation.eos_token_ids:
+            return self.generation.eos_token_ids
+        return _as_id_tuple(getattr(self.hf_config, "eos_token_id", None))
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def read_generation_config(path: str | Path) -> GenerationDefaults | None:
+    """``generation_config.json`` of a model directory, or None when it has none."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object")  # noqa: TRY004 (bad file)
+    return GenerationDefaults(
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+        temperature=raw.get("temperature"),
+        top_p=raw.get("top_p"),
+        top_k=raw.get("top_k"),
+        min_p=raw.get("min_p"),
+        repetition_penalty=raw.get("repetition_penalty"),
+        max_new_tokens=raw.get("max_new_tokens"),
+        raw=raw,
+    )
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The transformers config of a model directory (ValueError when unreadable)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    other = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth") for p in path.glob(ext))
+    if other:
+        raise ValueError(
+            f"{path} holds {', '.join(other)} but no *.safetensors: only safetensors "
+            "checkpoints are supported (convert with transformers' save_pretrained)"
+        )
+    raise ValueError(f"{path} has no *.safetensors weight files")
+
+
+def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY) -> ModelFiles:
+    """Check a model directory and resolve its architecture to a model class."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ValueError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    weight_files = _weight_files(path)
+    hf_config = load_hf_config(path)
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        raise ValueError(f"{path / 'config.json'} names no 'architectures'")
+    model_cls = registry.resolve(architectures)
+    architecture = next(a for a in architectures if a in registry)
+    return ModelFiles(
+        path=path,
+        hf_config=hf_config,
+        architecture=architecture,
+        model_cls=model_cls,
+        weight_files=weight_files,
+        generation=read_generation_config(path),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_dtype(hf_config: Any, requested: str | torch.dtype = "auto") -> torch.dtype:
+    """The compute dtype: ``auto`` = the checkpoint's ``dtype``/``torch_dtype``
+    (float32 when absent); also ``float32``/``float``, ``bfloat16``, ``float16``/``half``."""
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    elif requested == "auto":
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if saved is None:
+            return torch.float32
+        dtype = saved if isinstance(saved, torch.dtype) else _DTYPES.get(str(saved))
+        if dtype is None or dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"the checkpoint's dtype {saved} is not supported; pass an explicit dtype "
+                "(float32, bfloat16 or float16)"
+            )
+        return dtype
+    elif requested in _DTYPES:
+        dtype = _DTYPES[requested]
+    else:
+        raise ValueError(f"dtype {requested!r} is not supported; use auto, {', '.join(_DTYPES)}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"dtype {_dtype_name(dtype)} is not supported; use float32, bfloat16 or float16"
+        )
+    return dtype
+
+
+def derived_max_model_len(hf_config: Any) -> tuple[int, str]:
+    """The longest context the config allows and the key it came from."""
+    found = [
+        (int(v), key)
+        for key in _MAX_LEN_KEYS
+        if isinstance(v := getattr(hf_config, key, None), (int, float)) and v > 0
+    ]
+    if not found:
+        return DEFAULT_MAX_MODEL_LEN, "default"
+    length, key = min(found)
+    if key == "max_position_embeddings":
+        try:
+            scaling = rope_scaling_from_config(hf_config)
+        except ValueError:
+            return length, key
+        if scaling.max_positions != length:
+            return scaling.max_positions, f"{key} x rope factor {scaling.factor:g}"
+    return length, key
+
+
+def get_max_model_len(hf_config: Any, requested: int | None = None) -> int:
+    """``requested`` if the model allows it, the model's limit when None."""
+    limit, source = derived_max_model_len(hf_config)
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ValueError(f"max_model_len must be at least 1, not {requested}")
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's maximum context of {limit} "
+            f"tokens ({source}); lower max_model_len"
+        )
+    return requested
+
+
+def load_model(
+    model: str | Path | ModelFiles,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    attn_backend: AttentionBackend,
+    *,
+    quant_config: Any = None,
+) -> nn.Module:
+    """Build the model for ``model`` (a directory or checked files) and load its weights."""
+    files = model if isinstance(model, ModelFiles) else load_model_files(model)
+    hf_config = files.hf_config
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant and quant_config is None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"{files.path} is a quantized checkpoint ({method}); this loader reads only "
+            "unquantized weights"
+        )
+    dtype = resolve_dtype(hf_config, dtype)
+    ctx = ModelInitContext(
+        dtype=dtype,
+        device=torch.device(device),
+        attn_backend=attn_backend,
+        quant_config=quant_config,
+    )
+    with torch.no_grad():
+        net = files.model_cls(hf_config, ctx)
+        net.load_weights(safetensors_weights_iterator(files.weight_files))
+    net.eval()
+    net.requires_grad_(False)
+    logger.info(
+        "loaded %s (%s) from %s in %s",
+        files.architecture,
+        files.model_cls.__name__,
+        files.path,
+        _dtype_name(dtype),
+    )
+    return net

@@ -1,0 +1,45 @@
+"""What every model class receives at construction and reports back.
+
+A model class is ``cls(hf_config, ctx)`` with ``ctx`` a :class:`ModelInitContext`;
+it exposes ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` over a flat
+token batch, ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``,
+``load_weights(weights) -> set[str]`` and ``kv_cache_spec() -> ModelKVSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.core.interfaces import AttentionBackend
+
+
+@dataclass
+class ModelInitContext:
+    """Everything a model needs besides its HF config to build its layers."""
+
+    dtype: torch.dtype
+    device: torch.device
+    attn_backend: AttentionBackend
+    quant_config: Any = None  # a QuantMethod (or its config) once quantized models land
+    parallel_config: Any = None  # tensor / pipeline parallel rank and sizes, later
+
+
+@dataclass(frozen=True)
+class ModelKVSpec:
+    """What the KV cache must hold for this model (one cache tensor per layer)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer uses the same one, else None (keep all blocks)."""
+        windows = set(self.sliding_windows)
+        if len(windows) == 1:
+            return next(iter(windows))
+        return None

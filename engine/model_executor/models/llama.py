@@ -1,0 +1,275 @@
+"""The Llama decoder family: Llama, Mistral, Qwen2 (and, via qwen3.py, Qwen3).
+
+These architectures share one decoder layer; what differs is a handful of switches
+read from the HF config into :class:`DecoderOptions` by each class's
+``decoder_options``: biases on the projections, per-head q/k RMSNorm, the head size,
+and which layers use a sliding window.
+
+Parameter layout: q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``
+(one GEMM each); ``load_weights`` fuses HF checkpoint tensors at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers.activation import get_act_and_mul
+from engine.model_executor.layers.attention import Attention
+from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
+from engine.model_executor.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.rotary import RotaryEmbedding, rope_scaling_from_config
+from engine.model_executor.models.interface import ModelInitContext, ModelKVSpec
+from engine.model_executor.weight_utils import StackedParam, load_named_weights
+
+STACKED_PARAMS = (
+    StackedParam(".qkv_proj.", ".q_proj.", "q"),
+    StackedParam(".qkv_proj.", ".k_proj.", "k"),
+    StackedParam(".qkv_proj.", ".v_proj.", "v"),
+    StackedParam(".gate_up_proj.", ".gate_proj.", 0),
+    StackedParam(".gate_up_proj.", ".up_proj.", 1),
+)
+SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """The config switches that tell the family members apart."""
+
+    head_size: int
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty: all full attention
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
+
+
+def config_head_size(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def layer_type_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Per-layer windows from ``layer_types`` (Qwen2/Qwen3 style configs)."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = hf_config.num_hidden_layers
+    if window is None or not getattr(hf_config, "use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        first = getattr(hf_config, "max_window_layers", 0)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        common = {"dtype": ctx.dtype, "device": ctx.device}
+        self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common)
+        self.down_proj = ReplicatedLinear(inter, hidden, bias=opts.mlp_bias, **common)
+        self.act_fn = get_act_and_mul(hf_config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        ctx: ModelInitContext,
+        opts: DecoderOptions,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = opts.head_size
+        common = {"dtype": ctx.dtype, "device": ctx.device}
+        self.qkv_proj = QKVLinear(
+            hf_config.hidden_size,
+            self.head_size,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=opts.qkv_bias,
+            **common,
+        )
+        self.o_proj = ReplicatedLinear(
+            self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias, **common
+        )
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads,
+            self.head_size,
+            self.head_size**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+            ctx.attn_backend,
+            sliding_window=opts.window(layer_idx),
+        )
+
+    def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        shape = x.shape
+        return norm(x.reshape(shape[0], -1, self.head_size)).view(shape)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        ctx: ModelInitContext,
+        opts: DecoderOptions,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        common = {"dtype": ctx.dtype, "device": ctx.device}
+        self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(hf_config, ctx, opts)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
+        super().__init__()
+        common = {"dtype": ctx.dtype, "device": ctx.device}
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, **common)
+        rotary_emb = RotaryEmbedding(opts.head_size, rope_scaling_from_config(hf_config), **common)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb)
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama; also the base of the other family members (override ``decoder_options``)."""
+
+    def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.opts = self.decoder_options(hf_config)
+        windows = self.opts.sliding_windows
+        if windows and len(windows) != hf_config.num_hidden_layers:
+            raise ValueError(
+                f"config gives {len(windows)} layer types for {hf_config.num_hidden_layers} layers"
+            )
+        self.vocab_size = hf_config.vocab_size
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or (
+            hf_config.num_attention_heads
+        )
+        self.head_size = self.opts.head_size
+        self.model = LlamaModel(hf_config, ctx, self.opts)
+        self.lm_head = LMHead(
+            hf_config.vocab_size, hf_config.hidden_size, dtype=ctx.dtype, device=ctx.device
+        )
+        if getattr(hf_config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def decoder_options(cls, hf_config: Any) -> DecoderOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderOptions(
+            head_size=config_head_size(hf_config),
+            qkv_bias=bias,
+            o_proj_bias=bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self) -> ModelKVSpec:
+        windows = self.opts.sliding_windows or (None,) * self.num_layers
+        return ModelKVSpec(self.num_layers, self.num_kv_heads, self.head_size, tuple(windows))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; an absent ``lm_head.weight`` ties the head to the embedding."""
+        tied = self.lm_head.tied
+        loaded = load_named_weights(
+            self,
+            weights,
+            stacked=STACKED_PARAMS,
+            skip_substrings=SKIPPED_TENSORS,
+            ignore={"lm_head.weight"} if tied else (),
+            optional=() if tied else {"lm_head.weight"},
+        )
+        if not tied and "lm_head.weight" not in loaded:
+            if "model.embed_tokens.weight" not in loaded:
+                raise ValueError("checkpoint lacks both lm_head.weight and the embedding")
+            self.lm_head.tie_to(self.model.embed_tokens)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with an optional sliding window on every layer."""
+
+    @classmethod
+    def decoder_options(cls, hf_config: Any) -> DecoderOptions:
+        window = getattr(hf_config, "sliding_window", None)
+        return DecoderOptions(
+            head_size=config_head_size(hf_config),
+            sliding_windows=(window,) * hf_config.num_hidden_layers,
+        )
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases and per-layer sliding windows (``use_sliding_window``)."""
+
+    @classmethod
+    def decoder_options(cls, hf_config: Any) -> DecoderOptions:
+        return DecoderOptions(
+            head_size=config_head_size(hf_config),
+            qkv_bias=True,
+            sliding_windows=layer_type_windows(hf_config),
+        )

@@ -1,0 +1,136 @@
+"""The sampler: logits of the sampling rows -> one token per row (+ logprobs).
+
+Pipeline, in order, each stage skipped when no row of the batch uses it:
+
+1. Logprobs of the raw model distribution (``log_softmax`` of the unmodified logits),
+   only when some row asks for logprobs; reported for the token finally chosen.
+2. Logits processors, all setting masked tokens to ``-inf``: ``allowed_token_ids``
+   (whitelist); ``bad_words`` (single-token words always, a multi-token word's last token
+   when the history ends with the word's other tokens); ``logit_bias`` (added);
+   ``min_tokens`` (EOS and ``stop_token_ids`` banned while the output is shorter); then
+   the optional structured-output bitmask (packed int32, bit set = allowed).
+3. Penalties: repetition (prompt + output tokens), frequency and presence (output).
+4. Greedy rows take the argmax of the logits processed so far. Random rows are divided
+   by their temperature (greedy rows hold 1.0, so temperature 0 never divides by zero).
+5. min-p, 6. top-k, 7. top-p (top-p renormalized over the top-k set); both found among
+   ``torch.topk`` candidates, with one shared sort only for rows whose nucleus is wider.
+8. Sampling by exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` draws a token
+   with probability ``probs`` (the Gumbel-max trick in linear space). Seeded rows draw
+   their ``q`` from their request's own generator, keyed by (seed, output position) when
+   the metadata is built, so a seed reproduces its tokens whatever else is in the batch,
+   whatever row holds it, and across preemption; unseeded rows share one draw from the
+   device's default generator.
+
+``logits`` (float32, as the runner should produce them) are modified in place; other
+floating dtypes are upcast to a float32 copy first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_executor.sampling.logits_processors import (
+    apply_allowed_token_ids,
+    apply_banned_tokens,
+    apply_logit_bias,
+    apply_token_bitmask,
+)
+from engine.model_executor.sampling.logprobs import LogprobsTensors, gather_logprobs
+from engine.model_executor.sampling.metadata import SamplingMetadata
+from engine.model_executor.sampling.penalties import apply_batch_penalties
+from engine.model_executor.sampling.topk_topp import apply_min_p, apply_top_k_top_p
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [N]
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler:
+    """Stateless: everything per-request arrives in :class:`SamplingMetadata`."""
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        logits = _as_float32_logits(logits, metadata)
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        apply_logits_processors(logits, metadata, token_bitmask)
+        if metadata.penalties is not None:
+            apply_batch_penalties(logits, metadata.penalties)
+        sampled = sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs.num_logprobs = metadata.num_logprobs
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def apply_logits_processors(
+    logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+) -> None:
+    """Stage 2: whitelists, bans, biases and the grammar bitmask, in place."""
+    if metadata.allowed_token_ids is not None:
+        apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+    if metadata.bad_words is not None:
+        apply_banned_tokens(logits, metadata.bad_words)
+    if metadata.logit_bias is not None:
+        apply_logit_bias(logits, metadata.logit_bias)
+    if metadata.min_tokens is not None:
+        apply_banned_tokens(logits, metadata.min_tokens)
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, token_bitmask)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Stages 4-8 on processed logits: greedy argmax or a random draw per row."""
+    greedy = None
+    if not metadata.all_random:
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+    if metadata.temperature is not None:
+        logits.div_(metadata.temperature.unsqueeze(1))
+    if metadata.min_p is not None:
+        apply_min_p(logits, metadata.min_p)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    drawn = exponential_race(probs, metadata.generators)
+    if greedy is None:
+        return drawn
+    return torch.where(metadata.greedy_mask, greedy, drawn)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from ``probs`` ``[N, V]`` as ``argmax(probs / q)``.
+
+    Rows listed in ``generators`` take ``q`` from their own generator (one ``[V]`` draw
+    each); the rest share one batch draw. Overwrites ``probs``.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    q.clamp_min_(_TINY)  # q == 0 would turn a masked token's 0/0 into a winning NaN
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _as_float32_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Validate the shape; half-precision logits are upcast (a copy) before sampling."""
+    expected = (metadata.num_rows, metadata.vocab_size)
+    if logits.dim() != 2 or tuple(logits.shape) != expected:
+        raise ValueError(f"logits must have shape {list(expected)}, got {list(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    return logits if logits.dtype == torch.float32 else logits.to(torch.float32)

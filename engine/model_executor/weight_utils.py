@@ -1,0 +1,108 @@
+"""Streaming checkpoint tensors into model parameters.
+
+Tensors are read one at a time from safetensors files (memory-mapped), copied into the
+already-allocated parameter (casting to the model dtype on the way) and dropped, so peak
+memory stays near the model size. Checkpoint names are mapped to parameter names by the
+model (merged projections carry a shard id); the loader records which parameters, and
+which shards of merged ones, were filled, so a missing or unexpected tensor is a clear
+error instead of silently random weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers.linear import default_weight_loader
+
+
+def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every file, loaded lazily on the CPU."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class StackedParam:
+    """Checkpoint tensors named ``*{source}*`` load into shard ``shard_id`` of ``*{target}*``."""
+
+    target: str  # e.g. ".qkv_proj."
+    source: str  # e.g. ".q_proj."
+    shard_id: Any  # e.g. "q"
+
+
+def load_named_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    stacked: Iterable[StackedParam] = (),
+    skip_substrings: Iterable[str] = (),
+    ignore: Iterable[str] = (),
+    optional: Iterable[str] = (),
+) -> set[str]:
+    """Load ``weights`` into ``module``'s parameters; return the parameter names filled.
+
+    ``skip_substrings``: checkpoint names containing any of these are dropped
+    (e.g. ``rotary_emb.inv_freq``). ``ignore``: exact checkpoint names dropped (e.g. a
+    saved ``lm_head.weight`` when the head is tied). ``optional``: parameters that may
+    stay unloaded (the caller handles them). Raises ``ValueError`` naming every
+    unexpected checkpoint tensor and every parameter (or shard) left unloaded.
+    """
+    params = dict(module.named_parameters())
+    stacked = list(stacked)
+    skip_substrings = tuple(skip_substrings)
+    ignore = set(ignore)
+    loaded: set[tuple[str, Any]] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in weights:
+        if ckpt_name in ignore or any(s in ckpt_name for s in skip_substrings):
+            continue
+        name, shard_id = ckpt_name, None
+        for rule in stacked:
+            if rule.source in ckpt_name:
+                name, shard_id = ckpt_name.replace(rule.source, rule.target), rule.shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r}: {exc}") from exc
+        loaded.add((name, shard_id))
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:10])
+        more = f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} tensor(s) the model does not expect: {shown}{more}"
+        )
+    optional = set(optional)
+    missing: list[str] = []
+    for name, param in params.items():
+        shard_ids = getattr(param, "shard_ids", None)
+        if shard_ids is None:
+            if (name, None) not in loaded and name not in optional:
+                missing.append(name)
+            continue
+        lacking = [s for s in shard_ids if (name, s) not in loaded]
+        if lacking and name not in optional:
+            missing.append(f"{name} (shards {lacking})")
+    if missing:
+        shown = ", ".join(missing[:10])
+        more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s): {shown}{more}")
+    return {name for name, _ in loaded}

@@ -1,0 +1,345 @@
+"""Paged attention on the CPU with plain torch ops (SDPA and advanced indexing).
+
+Cache layout (one tensor per layer)::
+
+    kv_cache[0 | 1, block, kv_head, offset_in_block, head_size]   # 0 = K, 1 = V
+
+Heads before offsets ("HND"): viewed as rows of ``block_size * head_size`` values,
+row ``block * kv_heads + head`` holds one head's slice of one block, so one
+``index_select`` over precomputed row ids yields ``[kv_heads, blocks, block_size,
+head_size]`` whose reshape to ``[kv_heads, keys, head_size]`` is free: the history is
+copied exactly once per layer per step, already in the layout the matmul wants. Slot ``s`` is ``(block = s // block_size, offset = s % block_size)``.
+
+Per layer, :meth:`CPUAttentionImpl.forward`:
+
+1. writes every new K/V row of the step into the cache in one indexed store (rows whose
+   slot is -1 are skipped) -- before any attention, so a request may read blocks that
+   another request of the same batch filled this step (prefix caching relies on it);
+2. attends for all single-token requests ("decodes") at once: their blocks are gathered
+   into a padded ``[R, kv_heads, keys, D]`` tensor and one masked SDPA runs with the
+   queries grouped as ``[R, kv_heads, group, D]`` (GQA without repeating K/V);
+3. attends for each multi-token request (a prefill chunk, possibly after cached
+   context) separately, queries as ``[kv_heads, group, q_len, D]`` against K/V
+   expanded (not copied) to ``[kv_heads, group, keys, D]``, with a causal mask offset by
+   the context length (SDPA's own ``is_causal`` when there is no context or window).
+
+Everything that depends only on the batch (block indices, masks per sliding-window
+size) is computed once per step in :class:`CPUAttentionMetadata` and shared by all
+layers. Masked-out cache slots must hold finite values (the runner zero-fills caches):
+a masked key gets probability 0, but ``0 * inf`` would still poison the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.core.interfaces import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionImpl,
+    AttentionLayerSpec,
+)
+
+
+@dataclass
+class _KeyPlan:
+    """Which cache blocks to gather for a group of queries, and the mask over them."""
+
+    blocks: torch.Tensor  # int64 [R, nb] (decodes) or [nb] (one prefill)
+    mask: torch.Tensor  # bool, True = attend: [R, 1, 1, nb*bs] or [q_len, nb*bs]
+    # The mask is plain top-left causal (a prefill from position 0, no window), so SDPA
+    # can take ``is_causal`` and skip reading a mask.
+    causal: bool = False
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive ``0 / -inf`` tensor (SDPA would convert a bool mask
+        again in every layer)."""
+        bias = self._bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+            self._bias[dtype] = bias
+        return bias
+
+    def rows(self, num_kv_heads: int) -> torch.Tensor:
+        """Row ids into the cache viewed as ``[blocks * kv_heads, block_size * D]``,
+        ordered ``[..., kv_head, block]``: one ``index_select`` (a plain row copy, much
+        faster on CPU than two-tensor advanced indexing) gathers the history."""
+        rows = self._rows.get(num_kv_heads)
+        if rows is None:
+            heads = torch.arange(num_kv_heads, device=self.blocks.device).view(-1, 1)
+            rows = (self.blocks.unsqueeze(-2) * num_kv_heads + heads).flatten()
+            self._rows[num_kv_heads] = rows
+        return rows
+
+
+@dataclass
+class _Prefill:
+    """One request with more than one new token."""
+
+    start: int  # first token row of the step
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+
+
+@dataclass
+class CPUAttentionMetadata:
+    """Step-level index tensors, shared by every layer of the step."""
+
+    num_tokens: int
+    block_size: int
+    write_block: torch.Tensor  # int64 [W] block of each written row
+    write_offset: torch.Tensor  # int64 [W] offset in block
+    write_rows: torch.Tensor | None  # int64 [W] token rows written; None: all rows
+    decode_rows: torch.Tensor | None  # int64 [Rd] token rows; None: every row, in order
+    decode_seq_lens: torch.Tensor  # int64 [Rd]
+    decode_block_tables: torch.Tensor  # int64 [Rd, M]
+    prefills: list[_Prefill]
+    _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
+    _prefill_plans: dict[int | None, list[_KeyPlan]] = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_seq_lens.shape[0])
+
+    def decode_plan(self, window: int | None) -> _KeyPlan:
+        plan = self._decode_plans.get(window)
+        if plan is None:
+            plan = self._decode_plans[window] = self._make_decode_plan(window)
+        return plan
+
+    def prefill_plans(self, window: int | None) -> list[_KeyPlan]:
+        plans = self._prefill_plans.get(window)
+        if plans is None:
+            plans = self._prefill_plans[window] = [
+                self._make_prefill_plan(p, window) for p in self.prefills
+            ]
+        return plans
+
+    def _make_decode_plan(self, window: int | None) -> _KeyPlan:
+        bs = self.block_size
+        seq = self.decode_seq_lens
+        last_block = (seq + bs - 1) // bs  # exclusive
+        first_block = torch.zeros_like(seq)
+        if window is not None:
+            first_block = (seq - window).clamp(min=0) // bs
+        width = int((last_block - first_block).max())
+        cols = first_block[:, None] + torch.arange(width, device=seq.device)  # unclamped
+        max_col = self.decode_block_tables.shape[1] - 1
+        blocks = self.decode_block_tables.gather(1, cols.clamp(max=max_col))
+        key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=seq.device)).flatten(1)
+        mask = key_pos < seq[:, None]
+        if window is not None:
+            mask &= key_pos >= (seq - window)[:, None]
+        return _KeyPlan(blocks, mask[:, None, None, :])
+
+    def _make_prefill_plan(self, p: _Prefill, window: int | None) -> _KeyPlan:
+        bs = self.block_size
+        q_len = p.end - p.start
+        first_key = 0 if window is None else max(0, p.seq_len - q_len - window + 1)
+        first_block = first_key // bs
+        blocks = p.block_ids[first_block:]
+        device = blocks.device
+        key_pos = first_block * bs + torch.arange(blocks.shape[0] * bs, device=device)
+        query_pos = p.seq_len - q_len + torch.arange(q_len, device=device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if window is not None:
+            mask &= key_pos[None, :] > (query_pos - window)[:, None]
+        causal = q_len == p.seq_len and (window is None or window >= q_len)
+        return _KeyPlan(blocks, mask, causal=causal)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: _KeyPlan,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Softmax attention over ``plan``'s keys; ``q``, ``k``, ``v`` share batch dims."""
+    if soft_cap is None:
+        if plan.causal:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias(q.dtype), scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~plan.mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+class CPUAttentionImpl(AttentionImpl):
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        super().__init__(spec)
+        self.group = spec.num_heads // spec.num_kv_heads
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self._write(key_cache, value_cache, key, value, metadata)
+        num_decodes = metadata.num_decodes
+        if metadata.decode_rows is None and num_decodes == query.shape[0]:
+            return self._decode(query, key_cache, value_cache, metadata)
+        out = torch.empty_like(query)
+        if num_decodes:
+            rows = metadata.decode_rows
+            out[rows] = self._decode(query[rows], key_cache, value_cache, metadata)
+        window = self.spec.sliding_window
+        for p, plan in zip(metadata.prefills, metadata.prefill_plans(window)):
+            out[p.start : p.end] = self._prefill(
+                query[p.start : p.end], key_cache, value_cache, plan
+            )
+        return out
+
+    @staticmethod
+    def _write(
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        md: CPUAttentionMetadata,
+    ) -> None:
+        if md.write_rows is not None:
+            key, value = key[md.write_rows], value[md.write_rows]
+        key_cache[md.write_block, :, md.write_offset] = key.to(key_cache.dtype)
+        value_cache[md.write_block, :, md.write_offset] = value.to(value_cache.dtype)
+
+    def _gather(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
+        """The plan's blocks as ``[..., kv_heads, nb * block_size, D]`` (one copy)."""
+        num_blocks, kv_heads, block_size, head_size = cache.shape
+        flat = cache.view(num_blocks * kv_heads, block_size * head_size)
+        gathered = flat.index_select(0, plan.rows(kv_heads))
+        return gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, head_size)
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [Rd, H, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: CPUAttentionMetadata,
+    ) -> torch.Tensor:
+        spec = self.spec
+        plan = md.decode_plan(spec.sliding_window)
+        keys = self._gather(key_cache, plan)  # [Rd, Hkv, L, D]
+        values = self._gather(value_cache, plan)
+        q = query.view(-1, spec.num_kv_heads, self.group, spec.head_size)
+        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
+        return out.reshape(-1, spec.num_heads, spec.head_size)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [q_len, H, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: _KeyPlan,
+    ) -> torch.Tensor:
+        spec = self.spec
+        q_len = query.shape[0]
+        # [Hkv, group, L, D] as a stride-0 view: no copy, and unlike a broadcast batch
+        # dim it keeps SDPA on its fused kernel instead of the score-materializing one.
+        shape = (spec.num_kv_heads, self.group, -1, spec.head_size)
+        keys = self._gather(key_cache, plan).unsqueeze(1).expand(shape)
+        values = self._gather(value_cache, plan).unsqueeze(1).expand(shape)
+        q = query.view(q_len, spec.num_kv_heads, self.group, spec.head_size).permute(1, 2, 0, 3)
+        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
+        return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_size)
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Torch-op paged attention for the CPU platform (any head size, block size, window)."""
+
+    name: ClassVar[str] = "cpu"
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    def make_impl(self, spec: AttentionLayerSpec) -> CPUAttentionImpl:
+        if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({spec.num_heads}) must be a multiple of "
+                f"num_kv_heads ({spec.num_kv_heads})"
+            )
+        return CPUAttentionImpl(spec)
+
+    def build_metadata(self, batch: AttentionBatch) -> CPUAttentionMetadata:
+        bs = self.block_size
+        qsl = _host(batch.query_start_loc_cpu, batch.query_start_loc).astype(np.int64)
+        seq_lens = _host(batch.seq_lens_cpu, batch.seq_lens).astype(np.int64)
+        num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
+        if qsl.shape[0] != num_reqs + 1 or seq_lens.shape[0] != num_reqs:
+            raise ValueError(
+                f"batch of {num_reqs} requests has {qsl.shape[0]} query_start_loc entries "
+                f"and {seq_lens.shape[0]} seq_lens"
+            )
+        if qsl[-1] != num_tokens:
+            raise ValueError(f"query_start_loc ends at {qsl[-1]}, not num_tokens={num_tokens}")
+        query_lens = np.diff(qsl)
+        if (query_lens < 0).any() or (query_lens > seq_lens).any():
+            raise ValueError("every request needs 0 <= query_len <= seq_len")
+        block_tables = batch.block_tables.to(device=self.device, dtype=torch.int64)
+        needed = int(-(-seq_lens.max() // bs)) if num_reqs else 0
+        if block_tables.shape[-1] < needed:
+            raise ValueError(
+                f"block tables have {block_tables.shape[-1]} columns; a context of "
+                f"{int(seq_lens.max())} tokens needs {needed} blocks of {bs}"
+            )
+
+        slots = batch.slot_mapping.to(device=self.device, dtype=torch.int64)[:num_tokens]
+        valid = slots >= 0
+        write_rows = None
+        if not bool(valid.all()):
+            write_rows = valid.nonzero().squeeze(1)
+            slots = slots[write_rows]
+
+        is_decode = query_lens == 1
+        decode_reqs = np.flatnonzero(is_decode)
+        all_decode = len(decode_reqs) == num_reqs == num_tokens
+        decode_rows = None if all_decode else self._tensor(qsl[decode_reqs])
+        dec_idx = self._tensor(decode_reqs)
+        prefills = [
+            _Prefill(
+                start=int(qsl[r]),
+                end=int(qsl[r + 1]),
+                seq_len=int(seq_lens[r]),
+                block_ids=block_tables[r, : -(-int(seq_lens[r]) // bs)],
+            )
+            for r in np.flatnonzero(query_lens > 1)
+        ]
+        return CPUAttentionMetadata(
+            num_tokens=num_tokens,
+            block_size=bs,
+            write_block=torch.div(slots, bs, rounding_mode="floor"),
+            write_offset=slots % bs,
+            write_rows=write_rows,
+            decode_rows=decode_rows,
+            decode_seq_lens=self._tensor(seq_lens[decode_reqs]),
+            decode_block_tables=block_tables.index_select(0, dec_idx),
+            prefills=prefills,
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+
+def _host(array, tensor: torch.Tensor) -> np.ndarray:
+    """The host copy when the runner provided one, else a copy of the tensor."""
+    if array is not None:
+        return np.asarray(array)
+    return tensor.detach().cpu().numpy()

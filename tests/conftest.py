@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random-weight model directories, built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory):
+    """``factory(variant, **overrides) -> Path``; each distinct model is built once."""
+    from tests.helpers.hf_models import build_model_dir
+
+    cache: dict[tuple, Path] = {}
+
+    def factory(variant: str = "llama-gqa", **overrides) -> Path:
+        key = (variant, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            name = variant + "-" + str(len(cache))
+            cache[key] = build_model_dir(tmp_path_factory.mktemp(name), variant, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dir_factory) -> Path:
+    return model_dir_factory("llama-gqa")

@@ -1,0 +1,198 @@
+"""The engine's greedy output equals transformers' on small random models.
+
+Reference: transformers ``generate`` run one prompt at a time, unpadded, float32. A
+divergence is accepted only where transformers' own top-2 logprobs at that position are
+within 1e-3 (a near-tie), which the check verifies; after it the sequences may differ.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+MAX_TOKENS = 12
+PROMPT_LENGTHS = [1, 5, 16, 17, 33, 48]
+
+
+def _hf_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def _hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def assert_greedy_equivalent(model, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """``got == want`` up to a verified near-tie in transformers' distribution."""
+    for j, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        ctx = torch.tensor([prompt + want[:j]])
+        logprobs = model(ctx).logits[0, -1].double().log_softmax(-1)
+        top = logprobs.topk(2)
+        gap = float(top.values[0] - top.values[1])
+        assert gap < 1e-3 and g in top.indices.tolist(), (
+            f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}"
+        )
+        return
+    assert len(got) == len(want), (got, want)
+
+
+def _greedy() -> SamplingParams:
+    # min_tokens = max_tokens: EOS is masked exactly as transformers' min_new_tokens does.
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+
+
+def _engine(path, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_model_len", 128)
+    return LLM(str(path), device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["llama-gqa", "llama-mha", "llama-mqa-tied", "llama-headdim48", "mistral", "mistral-sw",
+     "qwen2", "qwen3"],
+)
+def test_greedy_matches_transformers_per_architecture(model_dir_factory, variant):
+    path = model_dir_factory(variant)
+    hf = _hf_model(path)
+    llm = _engine(path)
+    prompts = _prompts(hf.config.vocab_size)
+    for prompt in prompts:  # one at a time, like the reference
+        out = llm.generate({"prompt_token_ids": prompt}, _greedy(), use_tqdm=False)[0]
+        assert_greedy_equivalent(hf, prompt, list(out.outputs[0].token_ids), _hf_greedy(hf, prompt))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_rope_scaling_matches_transformers(model_dir_factory, rope):
+    path = model_dir_factory("llama-gqa", rope_parameters={"rope_theta": 10000.0, **rope})
+    hf = _hf_model(path)
+    llm = _engine(path)
+    for prompt in _prompts(hf.config.vocab_size, lengths=[7, 40]):
+        out = llm.generate(prompt, _greedy(), use_tqdm=False)[0]
+        assert_greedy_equivalent(hf, prompt, list(out.outputs[0].token_ids), _hf_greedy(hf, prompt))
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama_dir):
+    hf = _hf_model(llama_dir)
+    prompts = _prompts(hf.config.vocab_size, lengths=[3, 16, 17, 30, 47, 9, 64, 21])
+    return hf, prompts, [_hf_greedy(hf, p) for p in prompts]
+
+
+def _check_batch(llm: LLM, reference) -> None:
+    hf, prompts, expected = reference
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts  # input order kept
+    for prompt, out, want in zip(prompts, outputs, expected):
+        assert_greedy_equivalent(hf, prompt, list(out.outputs[0].token_ids), want)
+
+
+def test_all_at_once_matches_one_at_a_time(llama_dir, llama_reference):
+    _check_batch(_engine(llama_dir), llama_reference)
+
+
+def test_chunked_prefill_under_small_token_budget(llama_dir, llama_reference):
+    llm = _engine(llama_dir, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    _check_batch(llm, llama_reference)
+
+
+def test_preemption_under_small_kv_pool(llama_dir, llama_reference):
+    llm = _engine(llama_dir, num_gpu_blocks_override=12, block_size=8, max_model_len=80)
+    _check_batch(llm, llama_reference)
+    stats = llm.llm_engine.client.core.get_stats()
+    assert stats.num_preemptions > 0
+
+
+def test_prefix_caching_on_and_off_agree(llama_dir):
+    hf = _hf_model(llama_dir)
+    rng = random.Random(1)
+    shared = [rng.randrange(5, hf.config.vocab_size) for _ in range(40)]
+    prompts = [shared + [rng.randrange(5, hf.config.vocab_size) for _ in range(k)]
+               for k in (1, 4, 9, 16)]
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    for caching in (False, True):
+        llm = _engine(llama_dir, enable_prefix_caching=caching)
+        llm.generate(prompts[0], _greedy(), use_tqdm=False)  # warm the cache
+        outputs = llm.generate(prompts, _greedy(), use_tqdm=False)
+        for prompt, out, want in zip(prompts, outputs, expected):
+            assert_greedy_equivalent(hf, prompt, list(out.outputs[0].token_ids), want)
+        stats = llm.llm_engine.client.core.get_stats()
+        if caching:
+            assert stats.prefix_cache_hits > 0
+            assert all(o.num_cached_tokens >= 32 for o in outputs)
+        else:
+            assert stats.prefix_cache_hits == 0
+
+
+def test_bfloat16_logprobs_close_to_transformers(llama_dir):
+    hf = _hf_model(llama_dir)
+    llm = _engine(llama_dir, dtype="bfloat16")
+    prompt = _prompts(hf.config.vocab_size, lengths=[20])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    seq = prompt + list(out.token_ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seq])).logits[0].double().log_softmax(-1)
+    for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        want = float(ref[len(prompt) - 1 + j, tok])
+        assert abs(lp[tok].logprob - want) < 0.1, (j, lp[tok].logprob, want)
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="does not exist|not found|no such"):
+        LLM(str(tmp_path / "nope"), device="cpu")
+
+
+def test_unknown_architecture_is_a_clear_error(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM"):
+        LLM(str(bad), device="cpu")
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(llama_dir):
+    llm = _engine(llama_dir, max_model_len=32)
+    with pytest.raises(ValueError, match="maximum model length"):
+        llm.generate([7] * 40, _greedy(), use_tqdm=False)
+    # The engine is still usable afterwards, and nothing leaked.
+    out = llm.generate([7] * 4, _greedy(), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS

@@ -1,0 +1,171 @@
+"""Triton unified paged attention (single pass and split-KV) vs a float64 reference.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (set in conftest.py); sizes stay tiny
+because the interpreter executes every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attention_reference import make_batch, reference_attention
+
+from engine.kernels import stats
+from engine.kernels.unified_attention import (
+    choose_num_kv_splits,
+    unified_attention,
+)
+
+# (query_len, seq_len): prefill chunks with prior context, a first chunk, and decodes;
+# contexts cross block boundaries for every block size below.
+MIXED = [(5, 21), (1, 40), (7, 7), (1, 1), (3, 19)]
+DECODES = [(1, 50), (1, 17), (1, 3)]
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _run(batch, scale, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))  # every row must be written
+    result = unified_attention(
+        batch.q,
+        batch.kv_cache,
+        out,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.max_query_len,
+        batch.max_seq_len,
+        scale,
+        **kwargs,
+    )
+    assert result is out
+    return out
+
+
+def _check(batch, out, scale, sliding_window=None, soft_cap=None) -> None:
+    expected = reference_attention(batch, scale, sliding_window, soft_cap)
+    assert not out.isnan().any()
+    tol = TOLERANCE[out.dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "requests,heads,kv_heads,head_size,block_size,dtype,extra",
+    [
+        pytest.param(MIXED, 2, 2, 32, 16, torch.float32, {}, id="mha-bs16-fp32"),
+        pytest.param(MIXED, 4, 1, 80, 8, torch.float32, {}, id="gqa4-d80-bs8"),
+        pytest.param(MIXED, 4, 2, 48, 32, torch.bfloat16, {}, id="gqa2-d48-bs32-bf16"),
+        pytest.param(MIXED, 6, 2, 32, 12, torch.float32, {}, id="gqa3-bs12"),
+        pytest.param(MIXED, 4, 2, 32, 8, torch.float32, {"sliding_window": 6}, id="window6-bs8"),
+        pytest.param(MIXED, 2, 1, 32, 16, torch.float32, {"logits_soft_cap": 2.0}, id="softcap"),
+        pytest.param(DECODES, 8, 2, 64, 64, torch.bfloat16, {}, id="decodes-bs64-bf16"),
+    ],
+)
+def test_single_pass_matches_reference(
+    requests, heads, kv_heads, head_size, block_size, dtype, extra
+):
+    gen = torch.Generator().manual_seed(hash((heads, head_size, block_size)) % 2**31)
+    batch = make_batch(requests, heads, kv_heads, head_size, block_size, dtype, gen)
+    scale = head_size**-0.5
+    before = stats.launches.snapshot()
+    out = _run(batch, scale, num_kv_splits=1, block_m=16, tile_size=16, **extra)
+    _check(batch, out, scale, extra.get("sliding_window"), extra.get("logits_soft_cap"))
+    after = stats.launches.snapshot()
+    assert after["unified_attention"] == before["unified_attention"] + 1
+    assert after["split_kv_attention"] == before["split_kv_attention"]
+
+
+def test_default_tiles_prefill_and_decode():
+    """The GPU launch heuristics' own tiles (64 query rows x 32 keys; 16 x 64 for decode)."""
+    gen = torch.Generator().manual_seed(1)
+    prefill = make_batch([(9, 30), (1, 70)], 4, 2, 32, 16, torch.bfloat16, gen)
+    _check(prefill, _run(prefill, 0.3, num_kv_splits=1), 0.3)
+    decode = make_batch([(1, 70), (1, 5)], 4, 2, 32, 16, torch.bfloat16, gen)
+    _check(decode, _run(decode, 0.3, num_kv_splits=1), 0.3)
+
+
+@pytest.mark.parametrize(
+    "requests,dtype,splits,extra",
+    [
+        pytest.param(DECODES, torch.float32, 4, {}, id="decodes-4"),
+        pytest.param(DECODES, torch.bfloat16, 3, {}, id="decodes-3-bf16"),
+        pytest.param(MIXED, torch.float32, 3, {"sliding_window": 9}, id="mixed-window"),
+    ],
+)
+def test_split_kv_matches_reference(requests, dtype, splits, extra):
+    """Forced split-KV, including splits left empty by short requests (3 keys, 4 splits)."""
+    gen = torch.Generator().manual_seed(7 + splits)
+    batch = make_batch(requests, 4, 2, 48, 8, dtype, gen)
+    before = stats.launches.snapshot()
+    out = _run(batch, 0.2, num_kv_splits=splits, block_m=16, tile_size=16, **extra)
+    _check(batch, out, 0.2, extra.get("sliding_window"))
+    after = stats.launches.snapshot()
+    assert after["split_kv_attention"] == before["split_kv_attention"] + 1
+    assert after["split_kv_reduce"] == before["split_kv_reduce"] + 1
+    assert after["unified_attention"] == before["unified_attention"]
+
+
+def test_auto_split_for_few_long_decodes(monkeypatch):
+    """num_kv_splits=None splits one long decode when programs cannot fill the device."""
+    import engine.kernels.unified_attention as ua
+
+    monkeypatch.setattr(ua, "compute_units", lambda device: 2)
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([(1, 600)], 2, 1, 32, 16, torch.float32, gen)
+    before = stats.launches.split_kv_attention
+    out = _run(batch, 0.25, tile_size=64)
+    _check(batch, out, 0.25)
+    assert stats.launches.split_kv_attention == before + 1  # 600 keys -> 2 splits
+
+
+def test_choose_num_kv_splits_policy():
+    # Few long decodes on a big device: split, bounded by the cap.
+    assert choose_num_kv_splits(1, 8, 1, 32768, 132) == 33
+    assert choose_num_kv_splits(1, 1, 1, 10**6, 132) == 64
+    # Short contexts keep >= 256 keys per split.
+    assert choose_num_kv_splits(1, 8, 1, 1024, 132) == 4
+    assert choose_num_kv_splits(1, 8, 1, 300, 132) == 1
+    # Enough programs already, or any prefill in the batch: no split.
+    assert choose_num_kv_splits(64, 8, 1, 32768, 132) == 1
+    assert choose_num_kv_splits(1, 8, 2, 32768, 132) == 1
+
+
+def test_bad_inputs_raise_clear_errors():
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch([(2, 4)], 3, 2, 32, 8, torch.float32, gen)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        _run(batch, 1.0)
+    batch = make_batch([(2, 4)], 2, 2, 32, 8, torch.float32, gen)
+    with pytest.raises(ValueError, match="dtype"):
+        unified_attention(
+            batch.q.half(),
+            batch.kv_cache,
+            batch.q.half(),
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            2,
+            4,
+            1.0,
+        )
+    with pytest.raises(ValueError, match="query_start_loc"):
+        unified_attention(
+            batch.q,
+            batch.kv_cache,
+            batch.q.clone(),
+            batch.query_start_loc[:1],
+            batch.seq_lens,
+            batch.block_tables,
+            2,
+            4,
+            1.0,
+        )
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        _run(batch, 1.0, num_kv_splits=0)

@@ -1,0 +1,268 @@
+"""CPUAttentionBackend against an independent float64 reference.
+
+The reference keeps every request's full K/V history as a dense tensor, never looks at
+the paged cache, and computes causal (optionally windowed, soft-capped) softmax
+attention per request and head with ``repeat_interleave`` GQA. The backend under test
+sees only the paged cache (history written beforehand, blocks scattered randomly) and
+this step's new K/V rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.core.interfaces import AttentionBatch, AttentionLayerSpec
+from engine.plugins.cpu.attention import CPUAttentionBackend
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Case:
+    batch: AttentionBatch
+    kv_cache: torch.Tensor
+    query: torch.Tensor  # [T, H, D]
+    key: torch.Tensor  # [T, Hkv, D] new rows
+    value: torch.Tensor
+    hist_k: list[torch.Tensor]  # per request [seq_len, Hkv, D], the full history
+    hist_v: list[torch.Tensor]
+    slots: list[torch.Tensor]  # per request, slot of every position
+
+
+def make_case(
+    requests: list[tuple[int, int]],  # (query_len, seq_len)
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    skip_rows: tuple[int, ...] = (),
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    nblocks = [math.ceil(s / block_size) for _, s in requests]
+    total_blocks = sum(nblocks) + 2
+    perm = torch.randperm(total_blocks, generator=gen)
+    backend_shape = CPUAttentionBackend.get_kv_cache_shape(
+        total_blocks, block_size, num_kv_heads, head_size
+    )
+    # Unused slots hold finite garbage: a masked key must not contribute.
+    kv_cache = (torch.randn(backend_shape, generator=gen) * 100).to(dtype)
+    width = max(nblocks)
+    block_tables = torch.zeros(len(requests), width, dtype=torch.int32)
+    queries, keys, values, slot_mapping, hist_k, hist_v, slots_all = [], [], [], [], [], [], []
+    qsl = [0]
+    used = 0
+    for r, (q_len, seq_len) in enumerate(requests):
+        blocks = perm[used : used + nblocks[r]]
+        used += nblocks[r]
+        block_tables[r, : nblocks[r]] = blocks.to(torch.int32)
+        pos = torch.arange(seq_len)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        ctx = seq_len - q_len
+        blk, off = slots[:ctx] // block_size, slots[:ctx] % block_size
+        kv_cache[0][blk, :, off] = k[:ctx]
+        kv_cache[1][blk, :, off] = v[:ctx]
+        queries.append(torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype))
+        keys.append(k[ctx:])
+        values.append(v[ctx:])
+        slot_mapping.append(slots[ctx:])
+        hist_k.append(k)
+        hist_v.append(v)
+        slots_all.append(slots)
+        qsl.append(qsl[-1] + q_len)
+    slot_mapping = torch.cat(slot_mapping).to(torch.int64)
+    for row in skip_rows:
+        slot_mapping[row] = -1
+    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32)
+    query_lens = [q for q, _ in requests]
+    batch = AttentionBatch(
+        num_reqs=len(requests),
+        num_tokens=qsl[-1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return Case(
+        batch,
+        kv_cache,
+        torch.cat(queries),
+        torch.cat(keys),
+        torch.cat(values),
+        hist_k,
+        hist_v,
+        slots_all,
+    )
+
+
+def reference(
+    case: Case, requests, num_heads: int, scale: float, window: int | None, soft_cap=None
+) -> torch.Tensor:
+    outs = []
+    start = 0
+    for (q_len, seq_len), k, v in zip(requests, case.hist_k, case.hist_v):
+        q = case.query[start : start + q_len].double()  # [q, H, D]
+        start += q_len
+        group = num_heads // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        kpos = torch.arange(seq_len)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def run_backend(case: Case, spec: AttentionLayerSpec, block_size: int) -> torch.Tensor:
+    backend = CPUAttentionBackend(block_size=block_size, device=CPU)
+    assert backend.validate(spec, block_size) is None
+    impl = backend.make_impl(spec)
+    metadata = backend.build_metadata(case.batch)
+    return impl.forward(case.query, case.key, case.value, case.kv_cache, metadata)
+
+
+# (query_len, seq_len): decodes, a first chunk, chunks after context, 1-token chunk.
+MIXED = [(1, 1), (7, 7), (1, 33), (5, 21), (1, 16), (16, 40), (1, 17)]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [
+        (4, 4, 16, 16),  # MHA
+        (8, 2, 16, 4),  # GQA, many small blocks
+        (6, 1, 24, 8),  # MQA, head size not a power of two
+        (4, 2, 80, 32),  # one block holds most contexts
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_size, block_size, dtype):
+    case = make_case(MIXED, num_heads, num_kv_heads, head_size, block_size, dtype)
+    scale = head_size**-0.5
+    spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, scale)
+    out = run_backend(case, spec, block_size)
+    ref = reference(case, MIXED, num_heads, scale, None)
+    assert out.shape == ref.shape and out.dtype == dtype
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_sliding_window(window, block_size):
+    requests = MIXED + [(1, 60), (12, 58)]
+    case = make_case(requests, 4, 2, 16, block_size, torch.float32, seed=1)
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, sliding_window=window)
+    out = run_backend(case, spec, block_size)
+    ref = reference(case, requests, 4, 0.25, window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_logits_soft_cap():
+    case = make_case(MIXED, 4, 2, 16, 8, torch.float32, seed=2)
+    spec = AttentionLayerSpec(4, 16, 2, 0.7, logits_soft_cap=3.0)
+    out = run_backend(case, spec, 8)
+    ref = reference(case, MIXED, 4, 0.7, None, soft_cap=3.0)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("requests", [[(1, 9), (1, 1), (1, 64), (1, 31)], [(30, 30)]])
+def test_pure_decode_and_pure_prefill(requests):
+    case = make_case(requests, 8, 4, 32, 16, torch.float32, seed=3)
+    spec = AttentionLayerSpec(8, 32, 4, 32**-0.5)
+    out = run_backend(case, spec, 16)
+    torch.testing.assert_close(
+        out.double(), reference(case, requests, 8, 32**-0.5, None), atol=1e-5, rtol=0
+    )
+
+
+def test_new_rows_are_written_to_their_slots():
+    case = make_case(MIXED, 4, 2, 16, 8, torch.float32, seed=4)
+    run_backend(case, AttentionLayerSpec(4, 16, 2, 0.25), 8)
+    for (q_len, seq_len), k, v, slots in zip(MIXED, case.hist_k, case.hist_v, case.slots):
+        blk, off = slots // 8, slots % 8
+        torch.testing.assert_close(case.kv_cache[0][blk, :, off], k, atol=0, rtol=0)
+        torch.testing.assert_close(case.kv_cache[1][blk, :, off], v, atol=0, rtol=0)
+
+
+def test_skipped_slots_are_not_written():
+    requests = [(1, 5), (4, 4), (1, 3)]
+    case = make_case(requests, 2, 1, 8, 4, torch.float32, seed=5, skip_rows=(5,))
+    before = case.kv_cache.clone()
+    spec = AttentionLayerSpec(2, 8, 1, 8**-0.5)
+    out = run_backend(case, spec, 4)
+    skipped_slot = case.slots[2][-1]  # the last request's only new token (row 5)
+    blk, off = skipped_slot // 4, skipped_slot % 4
+    torch.testing.assert_close(case.kv_cache[:, blk, :, off], before[:, blk, :, off])
+    # Every other request is unaffected and exact.
+    ref = reference(case, requests, 2, 8**-0.5, None)
+    torch.testing.assert_close(out[:5].double(), ref[:5], atol=1e-5, rtol=0)
+
+
+def test_request_reads_blocks_written_by_another_request_this_step():
+    """Prefix sharing: request 1's block table starts with request 0's first block,
+    whose contents request 0 writes in the same step."""
+    bs, hkv, d = 4, 1, 8
+    gen = torch.Generator().manual_seed(6)
+    k0 = torch.randn(6, hkv, d, generator=gen)
+    v0 = torch.randn(6, hkv, d, generator=gen)
+    k1_tail = torch.randn(2, hkv, d, generator=gen)
+    v1_tail = torch.randn(2, hkv, d, generator=gen)
+    cache = torch.zeros(CPUAttentionBackend.get_kv_cache_shape(4, bs, hkv, d))
+    # Request 0: 6 new tokens in blocks [2, 3]. Request 1: shares block 2 (first 4
+    # tokens), then 2 new tokens in block 1; context 6.
+    batch = AttentionBatch(
+        num_reqs=2,
+        num_tokens=8,
+        query_start_loc=torch.tensor([0, 6, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 6], dtype=torch.int32),
+        block_tables=torch.tensor([[2, 3], [2, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([8, 9, 10, 11, 12, 13, 4, 5]),
+        max_query_len=6,
+        max_seq_len=6,
+    )
+    q = torch.randn(8, 2, d, generator=gen)
+    key = torch.cat([k0, k1_tail])
+    value = torch.cat([v0, v1_tail])
+    backend = CPUAttentionBackend(block_size=bs, device=CPU)
+    impl = backend.make_impl(AttentionLayerSpec(2, d, hkv, 0.5))
+    out = impl.forward(q, key, value, cache, backend.build_metadata(batch))
+    # Request 1's full history: request 0's first 4 tokens, then its own 2.
+    k1 = torch.cat([k0[:4], k1_tail]).double().repeat_interleave(2, 1)
+    v1 = torch.cat([v0[:4], v1_tail]).double().repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,khd->hqk", q[6:].double(), k1) * 0.5
+    allowed = torch.arange(6)[None, :] <= torch.tensor([4, 5])[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -math.inf).softmax(-1), v1)
+    torch.testing.assert_close(out[6:].double(), ref, atol=1e-6, rtol=0)
+
+
+def test_bad_batches_are_rejected():
+    case = make_case([(3, 3)], 2, 1, 8, 4, torch.float32)
+    backend = CPUAttentionBackend(block_size=4, device=CPU)
+    case.batch.block_tables = case.batch.block_tables[:, :0]
+    with pytest.raises(ValueError, match="blocks"):
+        backend.build_metadata(case.batch)
+    bad = make_case([(3, 3)], 2, 1, 8, 4, torch.float32).batch
+    bad.seq_lens = torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="query_len"):
+        backend.build_metadata(bad)
+    with pytest.raises(ValueError, match="multiple"):
+        backend.make_impl(AttentionLayerSpec(3, 8, 2, 1.0))
+
+
+def test_cache_shape():
+    assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 2, 16, 64)
