@@ -7,23 +7,15 @@ so a later fork of the process stays safe.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
 
-from engine.core.interfaces import Platform, ProbeResult
-from engine.plugins.gpu_memory import gpu_kv_cache_bytes
-
-if TYPE_CHECKING:
-    import torch
-
-    from engine.core.interfaces import AttentionBackend, Communicator
+from engine.core.interfaces import ProbeResult
+from engine.plugins.torch_cuda_api import TorchCudaApiPlatform
 
 
-class CUDAPlatform(Platform):
+class CUDAPlatform(TorchCudaApiPlatform):
     name = "cuda"
-    device_type = "cuda"
     priority = 100
     description = "NVIDIA GPUs through torch's CUDA build (Triton kernels, NCCL)"
-    dist_backend = "nccl"
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -46,55 +38,3 @@ class CUDAPlatform(Platform):
             return ProbeResult.ok(f"{count} CUDA device(s), CUDA {torch.version.cuda}")
         except Exception as exc:  # noqa: BLE001
             return ProbeResult.unavailable(f"CUDA probe failed: {exc}")
-
-    def supported_dtypes(self) -> list[torch.dtype]:
-        import torch
-
-        dtypes = [torch.float16, torch.float32]
-        if torch.cuda.is_bf16_supported():
-            dtypes.insert(0, torch.bfloat16)
-        return dtypes
-
-    def device(self, index: int | None = None) -> torch.device:
-        import torch
-
-        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
-
-    def total_memory_bytes(self) -> int:
-        import torch
-
-        return torch.cuda.mem_get_info(self.device())[1]
-
-    def available_memory_bytes(self) -> int:
-        import torch
-
-        return torch.cuda.mem_get_info(self.device())[0]
-
-    def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
-        import torch
-
-        dev = self.device()
-        free, total = torch.cuda.mem_get_info(dev)
-        return gpu_kv_cache_bytes(
-            total_bytes=total,
-            free_bytes=free,
-            torch_reserved_bytes=torch.cuda.memory_reserved(dev),
-            weights_bytes=weights_bytes,
-            utilization=cache_config.gpu_memory_utilization,
-            platform=f"{self.name} device {dev}",
-        )
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    def attention_backends(self) -> list[type[AttentionBackend]]:
-        from engine.kernels.triton_backend import TritonAttentionBackend
-
-        return [TritonAttentionBackend]
-
-    def communicator_cls(self) -> type[Communicator]:
-        from engine.distributed import NcclCommunicator
-
-        return NcclCommunicator

@@ -1,0 +1,77 @@
+"""What the cuda and rocm platforms share: torch's ``torch.cuda`` device API.
+
+torch's ROCm build exposes AMD GPUs through the same ``torch.cuda`` calls (device type
+"cuda", RCCL under the "nccl" name), so the two platforms differ only in their probe.
+This module sits beside the plugins, not inside one, so no plugin imports another.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.core.interfaces import Platform
+from engine.plugins.gpu_memory import gpu_kv_cache_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.core.interfaces import AttentionBackend, Communicator
+
+
+class TorchCudaApiPlatform(Platform):
+    """Memory, dtypes, sync, Triton attention and NCCL over ``torch.cuda``."""
+
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        import torch
+
+        dtypes = [torch.float16, torch.float32]
+        if torch.cuda.is_bf16_supported():
+            dtypes.insert(0, torch.bfloat16)
+        return dtypes
+
+    def device(self, index: int | None = None) -> torch.device:
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def total_memory_bytes(self) -> int:
+        import torch
+
+        return torch.cuda.mem_get_info(self.device())[1]
+
+    def available_memory_bytes(self) -> int:
+        import torch
+
+        return torch.cuda.mem_get_info(self.device())[0]
+
+    def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
+        import torch
+
+        dev = self.device()
+        free, total = torch.cuda.mem_get_info(dev)
+        return gpu_kv_cache_bytes(
+            total_bytes=total,
+            free_bytes=free,
+            torch_reserved_bytes=torch.cuda.memory_reserved(dev),
+            weights_bytes=weights_bytes,
+            utilization=cache_config.gpu_memory_utilization,
+            platform=f"{self.name} device {dev}",
+        )
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def attention_backends(self) -> list[type[AttentionBackend]]:
+        from engine.kernels.triton_backend import TritonAttentionBackend
+
+        return [TritonAttentionBackend]
+
+    def communicator_cls(self) -> type[Communicator]:
+        from engine.distributed import NcclCommunicator
+
+        return NcclCommunicator
