@@ -49,7 +49,7 @@ def chat_cmd(system: str | None, max_tokens: int, temperature: float, top_p: flo
         try:
             prompt = engine.processor.apply_chat_template(history, add_generation_prompt=True)
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, add_special_tokens=False)
         except ValueError as exc:
             history.pop()
             click.echo(f"error: {exc}", err=True)

@@ -94,6 +94,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> None:
         processed = self.processor.process(
             request_id,
@@ -101,6 +102,7 @@ class LLMEngine:
             params,
             arrival_time=arrival_time or time.monotonic(),
             priority=priority,
+            add_special_tokens=add_special_tokens,
         )
         self.output_processor.add_request(processed)
         for child in processed.child_requests:

@@ -39,7 +39,16 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        prompt_list = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+
+    def _generate(
+        self,
+        prompt_list: list[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(
@@ -51,7 +60,11 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 request_id = engine.next_request_id()
                 engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority[i] if priority else 0,
+                    add_special_tokens=add_special_tokens,
                 )
                 request_ids.append(request_id)
             return self._run_to_completion(request_ids, use_tqdm)
@@ -84,7 +97,8 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # The rendered template already holds BOS and other special tokens.
+        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> bool:
         client = self.llm_engine.client
