@@ -29,6 +29,8 @@ class EngineCoreClient(Protocol):
 
     def get_output(self) -> EngineCoreOutputs: ...
 
+    def reset_prefix_cache(self) -> bool: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -48,6 +50,9 @@ class InprocClient:
 
     def get_output(self) -> EngineCoreOutputs:
         return self.core.step()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.core.shutdown()

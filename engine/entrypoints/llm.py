@@ -101,8 +101,8 @@ class LLM:
         return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
     def reset_prefix_cache(self) -> bool:
-        client = self.llm_engine.client
-        return bool(getattr(client, "core", None) and client.core.reset_prefix_cache())
+        """Drop every cached prefix block (False while blocks are still in use)."""
+        return self.llm_engine.client.reset_prefix_cache()
 
     # -- internals ------------------------------------------------------------------------
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

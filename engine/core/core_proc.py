@@ -1,0 +1,272 @@
+"""The engine core in its own process, so tokenization and HTTP never stall the step loop.
+
+Run as ``python -m engine.core.core_proc --run-dir DIR --parent-pid PID`` by
+:class:`engine.core.mp_client.CoreProcess`; ``DIR`` holds ``config.json`` (an
+``EngineConfig``) and the two ipc sockets the parent has bound (``input``, ``output``).
+The wire format is in :mod:`engine.core.core_protocol`.
+
+Lifecycle: connect the sockets, build the ``EngineCore`` (the model loads here), send
+READY (or DEAD with the error text if startup failed), then loop:
+
+1. read input: without blocking while requests are running (drain everything pending),
+   or block up to ``IDLE_POLL_S`` when idle;
+2. step the core and send its outputs.
+
+An exception in the loop sends DEAD with the error text and exits 1. SIGTERM/SIGINT, a
+``shutdown`` utility call, or the parent disappearing end the loop cleanly (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from engine.core import core_protocol as wire
+from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs
+from engine.core.request import FinishReason
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore
+
+logger = logging.getLogger("engine.core.core_proc")
+
+IDLE_POLL_S = 0.5  # how often an idle core checks that its parent is alive
+SEND_RETRY_S = 0.5  # a blocked send re-checks the parent this often
+CONFIG_FILE = "config.json"
+
+
+def ipc_addresses(run_dir: str | Path) -> tuple[str, str]:
+    """(input, output) socket addresses inside a run directory."""
+    return f"ipc://{run_dir}/input", f"ipc://{run_dir}/output"
+
+
+class _ShutdownRequested(BaseException):
+    """Raised by the signal handler; a BaseException so no ``except Exception`` eats it."""
+
+
+class ParentGone(BaseException):
+    """The front end that started this core no longer exists: nobody reads our output."""
+
+
+class EngineCoreProc:
+    """Owns an EngineCore and the two sockets; runs the busy loop."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        input_socket: zmq.Socket,
+        output_socket: zmq.Socket,
+        parent_pid: int,
+    ) -> None:
+        self.core = core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.parent_pid = parent_pid
+        self.shutdown_requested = False
+        self._totals = wire.EngineCoreStats(num_kv_blocks=core.num_kv_blocks)
+        self._utilities: dict[str, Callable[..., Any]] = {
+            "get_stats": self._get_stats,
+            "reset_prefix_cache": self.core.reset_prefix_cache,
+            "ping": lambda: True,
+            "shutdown": self._request_shutdown,
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.shutdown_requested:
+            busy = self.core.has_unfinished_requests()
+            self._process_input(block=not busy)
+            if self.shutdown_requested or not self.core.has_unfinished_requests():
+                continue
+            outputs = self.core.step()
+            if outputs.outputs or outputs.finished_requests:
+                self.send(wire.OUTPUTS, outputs)
+
+    def _process_input(self, block: bool) -> None:
+        """Handle every pending message; when ``block``, first wait for one (bounded)."""
+        if os.getppid() != self.parent_pid:
+            raise ParentGone
+        if block and not self.input_socket.poll(int(IDLE_POLL_S * 1000)):
+            return
+        while True:
+            try:
+                tag, payload = self.input_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(bytes(tag.buffer), payload.buffer)
+
+    def _handle(self, tag: bytes, payload: memoryview) -> None:
+        if tag == wire.ADD:
+            self._add_request(payload)
+        elif tag == wire.ABORT:
+            self.core.abort_requests(wire.abort_decoder.decode(payload))
+        elif tag == wire.UTILITY:
+            self._call_utility(wire.utility_call_decoder.decode(payload))
+        else:
+            raise ValueError(f"unknown message tag {tag!r} from the front end")
+
+    def _add_request(self, payload: memoryview) -> None:
+        request = wire.request_decoder.decode(payload)
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            # One bad request must not kill the engine: finish it so its caller never hangs.
+            logger.error("rejected request %s: %s", request.request_id, exc)
+            rejected = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=int(FinishReason.ABORT),
+            )
+            self.send(
+                wire.OUTPUTS, EngineCoreOutputs(outputs=[rejected], timestamp=time.monotonic())
+            )
+
+    # -- utility calls ----------------------------------------------------------------------
+    def _call_utility(self, call: wire.UtilityCall) -> None:
+        method = self._utilities.get(call.method)
+        if method is None:
+            known = ", ".join(sorted(self._utilities))
+            reply = wire.UtilityResult(
+                call.call_id, error=f"ValueError: unknown utility {call.method!r} (known: {known})"
+            )
+        else:
+            try:
+                reply = wire.UtilityResult(call.call_id, result=method(*call.args))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error; the engine lives on
+                reply = wire.UtilityResult(call.call_id, error=wire.describe_exception(exc))
+        self.send(wire.UTILITY_RESULT, reply)
+
+    def _get_stats(self) -> wire.EngineCoreStats:
+        """Fold the scheduler's interval counters into cumulative totals."""
+        interval = self.core.get_stats()
+        totals = self._totals
+        totals.num_running = interval.num_running
+        totals.num_waiting = interval.num_waiting
+        totals.kv_cache_usage = interval.kv_cache_usage
+        totals.prefix_cache_queries_total += interval.prefix_cache_queries
+        totals.prefix_cache_hits_total += interval.prefix_cache_hits
+        totals.prefix_cache_requests_total += interval.prefix_cache_requests
+        totals.num_preemptions_total += interval.num_preemptions
+        return totals
+
+    def _request_shutdown(self) -> bool:
+        self.shutdown_requested = True
+        return True
+
+    # -- output -----------------------------------------------------------------------------
+    def send(self, tag: bytes, message: Any) -> None:
+        send_message(self.output_socket, tag, message, self.parent_pid)
+
+
+def send_message(sock: zmq.Socket, tag: bytes, message: Any, parent_pid: int) -> None:
+    """Send, never blocking forever: a PUSH socket with no peer (the parent died) waits,
+    so retry on a timeout and give up once the parent is gone."""
+    frames = [tag, wire.encoder.encode(message)]
+    while True:
+        try:
+            sock.send_multipart(frames, copy=False)
+            return
+        except zmq.Again:
+            if os.getppid() != parent_pid:
+                raise ParentGone from None
+
+
+def _raise_shutdown(signum: int, frame: Any) -> None:
+    raise _ShutdownRequested(signal.Signals(signum).name)
+
+
+def run_engine_core(run_dir: Path, parent_pid: int) -> int:
+    """The child's whole life; returns the exit code."""
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    input_address, output_address = ipc_addresses(run_dir)
+    ctx = zmq.Context(io_threads=1)
+    input_socket = ctx.socket(zmq.PULL)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or stall on a slow reader
+    output_socket.setsockopt(zmq.SNDTIMEO, int(SEND_RETRY_S * 1000))
+    output_socket.setsockopt(zmq.LINGER, 5000)  # flush the last message (DEAD) on exit
+    input_socket.connect(input_address)
+    output_socket.connect(output_address)
+    core = None
+    try:
+        try:
+            from engine.core.config import EngineConfig
+            from engine.core.engine_core import EngineCore
+
+            config = EngineConfig.model_validate_json((run_dir / CONFIG_FILE).read_text())
+            core = EngineCore(config)
+        except Exception as exc:
+            logger.exception("engine core failed to start")
+            send_message(
+                output_socket,
+                wire.DEAD,
+                wire.EngineDeadInfo(wire.describe_exception(exc)),
+                parent_pid,
+            )
+            return 1
+        ready = wire.ReadyInfo(core.num_kv_blocks, config.scheduler.max_model_len, os.getpid())
+        send_message(output_socket, wire.READY, ready, parent_pid)
+        logger.info("engine core ready: %d KV blocks", core.num_kv_blocks)
+        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid)
+        try:
+            proc.run()
+        except Exception as exc:
+            logger.exception("engine core step loop failed")
+            send_message(
+                output_socket,
+                wire.DEAD,
+                wire.EngineDeadInfo(wire.describe_exception(exc)),
+                parent_pid,
+            )
+            return 1
+        return 0
+    except _ShutdownRequested as why:
+        logger.info("engine core shutting down (%s)", why)
+        return 0
+    except ParentGone:
+        logger.warning("engine core exiting: its parent process %d is gone", parent_pid)
+        shutil.rmtree(run_dir, ignore_errors=True)  # nobody else is left to remove it
+        return 0
+    finally:
+        # No more signals mid-cleanup: a second SIGTERM must not skip closing the sockets.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if core is not None:
+            core.shutdown()
+        input_socket.close(linger=0)
+        output_socket.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="engine core process (started by the front end)")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--parent-pid", required=True, type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("ENGINE_LOG_LEVEL", "INFO").upper(),
+        format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_engine_core(args.run_dir, args.parent_pid)
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    # Sockets are closed and the last message delivered; skip interpreter teardown
+    # (seconds with torch loaded), so shutdown and restarts stay quick.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

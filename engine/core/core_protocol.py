@@ -1,0 +1,91 @@
+"""Wire protocol between a front end and an engine-core process (ZeroMQ + msgpack).
+
+Every message is two frames: a one-byte tag, then a msgspec-msgpack payload whose type
+the tag names. Nothing is ever pickled.
+
+Front end -> core (PUSH -> PULL):
+    ADD      EngineCoreRequest
+    ABORT    list[str] (request ids)
+    UTILITY  UtilityCall (a named call such as get_stats; answered by UTILITY_RESULT)
+Core -> front end (PUSH -> PULL):
+    READY           ReadyInfo, once, after the model is loaded
+    OUTPUTS         EngineCoreOutputs of one step
+    UTILITY_RESULT  UtilityResult
+    DEAD            EngineDeadInfo, the last message of a core that failed
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+
+# Front end -> core.
+ADD = b"A"
+ABORT = b"X"
+UTILITY = b"U"
+# Core -> front end.
+READY = b"R"
+OUTPUTS = b"O"
+UTILITY_RESULT = b"T"
+DEAD = b"D"
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # "ExcType: message" when the call raised
+
+
+class ReadyInfo(msgspec.Struct, array_like=True, gc=False):
+    num_kv_blocks: int
+    max_model_len: int
+    pid: int
+
+
+class EngineDeadInfo(msgspec.Struct, array_like=True, gc=False):
+    error: str
+
+
+class EngineCoreStats(msgspec.Struct, gc=False):
+    """The core's load for metrics: gauges are current values; the ``*_total`` counters
+    are cumulative since the core started (Prometheus counter semantics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks held by requests
+    num_kv_blocks: int = 0
+    prefix_cache_queries_total: int = 0  # tokens looked up
+    prefix_cache_hits_total: int = 0  # tokens found computed
+    prefix_cache_requests_total: int = 0
+    num_preemptions_total: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queries_total:
+            return 0.0
+        return self.prefix_cache_hits_total / self.prefix_cache_queries_total
+
+
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+abort_decoder = msgspec.msgpack.Decoder(list[str])
+utility_call_decoder = msgspec.msgpack.Decoder(UtilityCall)
+outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+utility_result_decoder = msgspec.msgpack.Decoder(UtilityResult)
+ready_decoder = msgspec.msgpack.Decoder(ReadyInfo)
+dead_decoder = msgspec.msgpack.Decoder(EngineDeadInfo)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line for the other side: the exception type and its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,192 @@
+"""AsyncLLM: the asyncio front end the OpenAI server runs on.
+
+Tokenization (``Processor``) and detokenization (``OutputProcessor``) run here, in the
+server's process; the engine core steps in its own process behind an
+:class:`AsyncMPClient`. One output-handler task (started on first use) pulls each step's
+``EngineCoreOutputs``, turns them into ``RequestOutput``s, forwards stop-string aborts to
+the core, and hands every output to its request's :class:`RequestOutputCollector`, which
+``generate`` drains. A consumer that stops iterating (or whose task is cancelled: a client
+disconnect) aborts its request in the core, freeing its KV blocks.
+
+If the core dies, every in-flight ``generate`` raises :class:`EngineDeadError` and new
+requests fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from engine.core.config import EngineConfig
+from engine.core.core_protocol import EngineCoreStats, describe_exception
+from engine.core.engine_args import EngineArgs
+from engine.core.errors import EngineDeadError
+from engine.core.llm_engine import build_processor
+from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
+from engine.core.output_collector import RequestOutputCollector
+from engine.core.output_processor import OutputProcessor
+from engine.core.outputs import RequestOutput
+from engine.core.processor import PromptType
+from engine.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Stream generations from an engine core running in another process."""
+
+    def __init__(
+        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+    ) -> None:
+        self.config = config
+        self.processor, self.tokenizer = build_processor(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_name = config.model.served_model_name or config.model.model
+        self.max_model_len = config.scheduler.max_model_len
+        # Blocks until the core has loaded the model (or raises EngineStartupError).
+        self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        self._handler: asyncio.Task | None = None
+        self._handler_loop: asyncio.AbstractEventLoop | None = None
+        self._error: EngineDeadError | None = None
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(args.create_engine_config(), **kwargs)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """True once the core has died (it never comes back)."""
+        if self._error is None and self.client.dead is None and self.client.proc.exited():
+            self._error = self._dead_error()
+        return self._error is not None or self.client.dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and not self.errored
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the core has died or the engine was shut down."""
+        self._check_usable()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
+        if self._error is not None:
+            raise self._error
+        self.client.check_alive()
+
+    def _dead_error(self) -> EngineDeadError:
+        try:
+            self.client.check_alive()
+        except EngineDeadError as error:
+            return error
+        return EngineDeadError("engine core is dead")
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they stream (DELTA: only new text each time).
+
+        Raises ValueError for bad input, EngineDeadError if the core dies. Leaving the
+        loop early (or cancelling the task) aborts the request in the core.
+        """
+        self._ensure_output_handler()
+        processed = self.processor.process(
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
+            cache_salt=cache_salt,
+            add_special_tokens=add_special_tokens,
+        )
+        collector = RequestOutputCollector(processed.params.output_kind)
+        # Track before sending: outputs (or the core's death) can only find a known request.
+        self.output_processor.add_request(processed, queue=collector)
+        finished = False
+        try:
+            for child in processed.child_requests:
+                await self.client.add_request(child)
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._abort_nowait([request_id])
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_nowait(ids)
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        child_ids = self.output_processor.abort_requests(request_ids)
+        if not child_ids or self._closed:
+            return
+        try:
+            self.client.abort_requests_nowait(child_ids)
+        except EngineDeadError:
+            pass  # the core is gone, and its requests with it
+
+    # -- utilities --------------------------------------------------------------------------
+    async def get_stats(self) -> EngineCoreStats:
+        """The core's load now (gauges) and cumulative counters, for /metrics."""
+        self._check_usable()
+        return await self.client.get_stats()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefix blocks; False while requests hold blocks."""
+        self._check_usable()
+        return await self.client.reset_prefix_cache()
+
+    # -- the output handler -----------------------------------------------------------------
+    def _ensure_output_handler(self) -> None:
+        self._check_usable()
+        loop = asyncio.get_running_loop()
+        if self._handler is not None and self._handler_loop is loop and not self._handler.done():
+            return
+        self._handler_loop = loop
+        self._handler = loop.create_task(
+            self._run_output_handler(), name="async-llm-output-handler"
+        )
+
+    async def _run_output_handler(self) -> None:
+        client, output_processor = self.client, self.output_processor
+        try:
+            while True:
+                outputs = await client.get_output()
+                result = output_processor.process_outputs(outputs.outputs)
+                if result.reqs_to_abort:
+                    client.abort_requests_nowait(result.reqs_to_abort)
+        except EngineDeadError as error:
+            self._fail(error)
+        except Exception as exc:
+            logger.exception("AsyncLLM output handler failed")
+            self._fail(EngineDeadError(f"output handler failed: {describe_exception(exc)}"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self._error = error
+        self.output_processor.propagate_error(error)
+
+    # -- teardown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the core process; in-flight requests fail with EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self.output_processor.propagate_error(EngineDeadError("the engine has been shut down"))
+        self.client.shutdown()
