@@ -6,11 +6,19 @@ step's new K/V rows (``reshape_and_cache``) and then runs ``unified_attention`` 
 cache; whether long decodes split their keys over several programs (split-KV) is decided
 once per step in :meth:`TritonAttentionBackend.build_metadata`.
 
+Forcing split-KV (tests, and comparing both paths on a GPU): the constructor argument
+``num_kv_splits=n``, or the environment variable ``ENGINE_TRITON_NUM_KV_SPLITS=n`` read
+when the backend is constructed (the argument wins), makes every step use ``n`` splits,
+prefill chunks included; ``n = 1`` forces the single-pass kernel. Unset: decided per step.
+The engine builds its backend from the platform, so the variable is the way to reach it
+end to end, e.g. ``ENGINE_TRITON_NUM_KV_SPLITS=4 engine generate ... --device cuda``.
+
 Importing this module needs no triton; constructing the backend does, and says so.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -29,6 +37,21 @@ if TYPE_CHECKING:
 
 MIN_HEAD_SIZE = 16
 MAX_HEAD_SIZE = 256  # beyond this the fp32 accumulator tile no longer fits in registers
+NUM_KV_SPLITS_ENV = "ENGINE_TRITON_NUM_KV_SPLITS"
+
+
+def forced_num_kv_splits_from_env() -> int | None:
+    """``ENGINE_TRITON_NUM_KV_SPLITS`` as a positive int, or None when unset or empty."""
+    raw = os.environ.get(NUM_KV_SPLITS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{NUM_KV_SPLITS_ENV} must be a positive integer, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -103,10 +126,13 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_splits: int | None = None,
     ) -> None:
         """``num_compute_units``: SMs/CUs used to size split-KV (probed when None);
-        ``num_kv_splits``: force a split count every step (None: decide per step)."""
+        ``num_kv_splits``: force a split count every step (None: ``ENGINE_TRITON_NUM_KV_SPLITS``
+        if set, else decide per step)."""
         require_triton()
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_kv_splits is None:
+            num_kv_splits = forced_num_kv_splits_from_env()
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         super().__init__(block_size, torch.device(device))

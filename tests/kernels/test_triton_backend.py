@@ -18,7 +18,7 @@ from attention_reference import make_batch, reference_attention
 
 from engine.core.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from engine.kernels import stats
-from engine.kernels.triton_backend import TritonAttentionBackend
+from engine.kernels.triton_backend import NUM_KV_SPLITS_ENV, TritonAttentionBackend
 
 
 def _attention_batch(batch) -> AttentionBatch:
@@ -67,6 +67,21 @@ def test_build_metadata_plans_split_kv_once_per_step():
     assert backend.build_metadata(decode).num_kv_splits == 16
     mixed = _attention_batch(make_batch([(3, 40), (1, 9)], 8, 2, 64, 16, torch.float32, gen))
     assert backend.build_metadata(mixed).num_kv_splits == 1
+
+
+def test_split_count_forced_by_env_unless_given(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    mixed = _attention_batch(make_batch([(3, 40), (1, 9)], 4, 2, 16, 8, torch.float32, gen))
+    monkeypatch.setenv(NUM_KV_SPLITS_ENV, "5")
+    assert TritonAttentionBackend(8, torch.device("cpu")).build_metadata(mixed).num_kv_splits == 5
+    explicit = TritonAttentionBackend(8, torch.device("cpu"), num_kv_splits=2)
+    assert explicit.build_metadata(mixed).num_kv_splits == 2
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv(NUM_KV_SPLITS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{NUM_KV_SPLITS_ENV} must be a positive integer"):
+            TritonAttentionBackend(8, torch.device("cpu"))
+    monkeypatch.setenv(NUM_KV_SPLITS_ENV, "")
+    assert TritonAttentionBackend(8, torch.device("cpu")).build_metadata(mixed).num_kv_splits == 1
 
 
 @pytest.mark.parametrize(
