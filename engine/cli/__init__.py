@@ -15,6 +15,7 @@ _COMMANDS: dict[str, str] = {
     "plugins": "engine.cli.plugins_cmd:plugins",
     "generate": "engine.cli.generate:generate_cmd",
     "chat": "engine.cli.chat:chat_cmd",
+    "serve": "engine.cli.serve:serve_cmd",
 }
 
 

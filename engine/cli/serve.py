@@ -1,0 +1,68 @@
+"""`engine serve [MODEL]`: the OpenAI-compatible HTTP server (vLLM's flag names)."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from engine.cli.options import engine_args_from_options, engine_options
+
+
+@click.command("serve")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="ENGINE_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize.")
+@click.option("--served-model-name", default=None,
+              help="The model name clients send and see (default: MODEL, or engine-demo).")
+@click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=8 * 1024 * 1024,
+              show_default=True, help="Larger request bodies get a 413.")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
+              help="Reject requests asking for more max_tokens (default: no limit beyond "
+                   "max_model_len).")
+@click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.")
+@click.option("--timeout-graceful-shutdown", type=click.IntRange(min=0), default=10,
+              show_default=True,
+              help="Seconds in-flight requests may keep running after SIGTERM / SIGINT.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
+def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
+              served_model_name: str | None, max_request_body_bytes: int,
+              max_tokens_limit: int | None, max_logprobs: int, timeout_graceful_shutdown: int,
+              log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
+    """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
+    OpenAI-compatible HTTP API."""
+    from engine.core.engine_args import EngineArgs
+    from engine.core.errors import EngineStartupError
+    from engine.entrypoints.async_llm import AsyncLLM
+    from engine.entrypoints.openai import ServerSettings, run_server
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_option = engine_kwargs.get("model")
+    if model_arg and model_option and model_arg != model_option:
+        raise click.UsageError(f"MODEL {model_arg!r} and --model {model_option!r} differ; "
+                               "give one of them")
+    engine_kwargs["model"] = model_arg or model_option
+    try:
+        args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs),
+                                      served_model_name=served_model_name)
+        engine = AsyncLLM.from_engine_args(args)
+    except (ValueError, FileNotFoundError, EngineStartupError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    settings = ServerSettings(
+        served_model_name=engine.model_name, api_key=api_key or None,
+        max_request_body_bytes=max_request_body_bytes, max_tokens_limit=max_tokens_limit,
+        max_logprobs=max_logprobs, host=host, port=port,
+    )
+    try:
+        run_server(engine, settings, log_level=log_level,
+                   access_log=not disable_uvicorn_access_log,
+                   timeout_graceful_shutdown=timeout_graceful_shutdown)
+    finally:
+        engine.shutdown()

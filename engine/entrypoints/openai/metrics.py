@@ -1,0 +1,147 @@
+"""Prometheus metrics of one server (its own registry, so several apps can coexist).
+
+Two sources:
+
+* The engine core's load (running / waiting requests, KV cache usage, prefix-cache
+  counters) is fetched with ``AsyncLLM.get_stats()`` when ``/metrics`` is scraped and
+  exposed through a custom collector: the core's cumulative counters become Prometheus
+  counters directly, with no double counting.
+* Per-request latencies and token counts are observed by the serving layer when a request
+  ends (:meth:`ServerMetrics.observe_request`), from the ``RequestMetrics`` timestamps the
+  output processor records.
+
+Names follow vLLM's with an ``engine:`` prefix (``engine:num_requests_running`` ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.core.core_protocol import EngineCoreStats
+from engine.core.outputs import RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATS_TIMEOUT_S = 5.0
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _CoreStatsCollector(Collector):
+    """Exposes the last EngineCoreStats snapshot; ``ServerMetrics.refresh`` updates it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = EngineCoreStats()
+        self.healthy = True
+
+    def collect(self) -> Iterable[Metric]:
+        labels, value = ["model_name"], [self.model_name]
+        stats = self.stats
+        gauges = (
+            ("engine:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("engine:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("engine:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).",
+             stats.kv_cache_usage),
+            ("engine:num_kv_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks),
+            ("engine:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens (0-1).",
+             stats.prefix_cache_hit_rate),
+            ("engine:engine_healthy", "1 while the engine core is alive, else 0.",
+             1.0 if self.healthy else 0.0),
+        )
+        for name, doc, number in gauges:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, float(number))
+            yield family
+        counters = (
+            ("engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries_total),
+            ("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits_total),
+            ("engine:num_preemptions", "Requests preempted for lack of KV blocks.",
+             stats.num_preemptions_total),
+        )
+        for name, doc, number in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, float(number))
+            yield family
+
+
+class ServerMetrics:
+    """The registry of one app and the observations the serving layer makes."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._core = _CoreStatsCollector(model_name)
+        self.registry.register(self._core)
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(
+            "engine:prompt_tokens", "Prompt tokens of finished requests.", labels,
+            registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter(
+            "engine:generation_tokens", "Generated tokens of finished requests.", labels,
+            registry=self.registry).labels(model_name)
+        self.request_success = Counter(
+            "engine:request_success", "Finished samples by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "engine:time_to_first_token_seconds", "Time from arrival to the first token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(
+            "engine:inter_token_latency_seconds",
+            "Mean time between consecutive tokens of a request (one observation per request).",
+            labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(
+            "engine:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
+            labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)  # export zeros from the start
+
+    # -- per request ----------------------------------------------------------------------
+    def observe_request(self, metrics: RequestMetrics | None, prompt_tokens: int,
+                        finish_reasons: Iterable[str | None], num_samples: int = 1) -> None:
+        """Record one ended request (finished or aborted)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason or "abort").inc()
+        if metrics is None:
+            return
+        self.generation_tokens.inc(metrics.num_generation_tokens)
+        ttft = metrics.time_to_first_token
+        if ttft is not None:
+            self.ttft.observe(max(ttft, 0.0))
+        if metrics.finished_time is not None:
+            self.e2e.observe(max(metrics.finished_time - metrics.arrival_time, 0.0))
+        per_sample = metrics.num_generation_tokens / max(num_samples, 1)
+        if (metrics.first_token_time is not None and metrics.last_token_time is not None
+                and per_sample > 1):
+            gap = (metrics.last_token_time - metrics.first_token_time) / (per_sample - 1)
+            self.itl.observe(max(gap, 0.0))
+
+    # -- scrape ---------------------------------------------------------------------------
+    async def refresh(self, engine) -> None:
+        """Fetch the core's stats (keeping the last snapshot if the core cannot answer)."""
+        if engine.errored:
+            self._core.healthy = False
+            self._core.stats = EngineCoreStats()
+            return
+        try:
+            self._core.stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
+            self._core.healthy = True
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck core must not break /metrics
+            self._core.healthy = not engine.errored
+            logger.warning("could not fetch engine stats for /metrics: %s", exc)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,422 @@
+"""What the completion, chat and tokenize handlers share.
+
+Every request is fully validated *before* a response starts (model name, lengths,
+sampling parameters, and the engine's own Processor checks), so bad input always gets a
+400 JSON body, even for ``stream: true``. Generation then runs through
+``AsyncLLM.generate``; closing its iterator (a finished response, a client disconnect, a
+server shutdown) aborts the request in the engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from engine.core.core_protocol import describe_exception
+from engine.core.errors import EngineDeadError
+from engine.core.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.core.sampling_params import RequestOutputKind, SamplingParams
+from engine.core.tokenizer import TokenDecoder
+from engine.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    from_value_error,
+    model_not_found,
+)
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.protocol import SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+_INLINE_TOKENIZE_CHARS = 4096  # longer texts are tokenized off the event loop
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class ServerSettings:
+    """Server-level knobs (the engine's own options live in EngineArgs)."""
+
+    served_model_name: str | None = None  # default: the engine's model name
+    api_key: str | None = None
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask for
+    max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass
+class ServerState:
+    """What every handler of one app shares."""
+
+    engine: Any  # AsyncLLM
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tokenize_pool: ThreadPoolExecutor | None = None
+    in_flight: set[str] = field(default_factory=set)  # engine request ids now generating
+
+    async def abort_in_flight(self) -> int:
+        """End every generating request (its response finishes with reason "abort")."""
+        ids = list(self.in_flight)
+        if ids:
+            await self.engine.abort(ids)
+        return len(ids)
+
+
+@dataclass
+class PromptInput:
+    """One prompt after tokenization; ``text`` is what ``echo`` returns."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class GenerationJob:
+    """One engine request (one prompt; its ``n`` samples fan out inside the engine)."""
+
+    index: int  # position of the prompt in the request
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+
+
+class OpenAIServing:
+    """State and helpers shared by the endpoint handlers."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = engine = state.engine
+        self.settings = state.settings
+        self.metrics = state.metrics
+        self.model_name = self.settings.served_model_name or engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
+        self.tokenize_pool = state.tokenize_pool
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise model_not_found(name)
+
+    async def check_alive(self) -> None:
+        """A 503 at once when the engine core has died (or the engine was shut down)."""
+        try:
+            await self.engine.check_health()
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from exc
+
+    def log_ignored_fields(self, request: BaseModel, endpoint: str) -> None:
+        extra = sorted(request.model_extra or ())
+        if extra:
+            logger.warning("%s: ignoring unsupported field(s) %s", endpoint, ", ".join(extra))
+
+    def check_logprobs_limit(self, value: int | None, param: str) -> None:
+        if value is None:
+            return
+        if value < 0:  # vLLM's -1 (the whole vocabulary) is not offered over HTTP
+            raise bad_request(f"{param} must be >= 0, got {value}", param)
+        if value > self.settings.max_logprobs:
+            raise bad_request(
+                f"{param}={value} exceeds this server's limit of {self.settings.max_logprobs}",
+                param)
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str,
+                           minimum: int) -> int:
+        """Check the prompt and ``max_tokens`` against max_model_len and the server limit
+        (vLLM's wording); return the effective max_tokens."""
+        limit = self.settings.max_tokens_limit
+        if requested is not None:
+            if requested < minimum:
+                raise bad_request(f"{param} must be at least {minimum}, got {requested}", param)
+            if limit is not None and requested > limit:
+                raise bad_request(
+                    f"{param}={requested} exceeds this server's limit of {limit} tokens", param)
+        if prompt_len >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {prompt_len} input tokens. Please reduce the length of the "
+                "input messages.", "messages" if param == "max_completion_tokens" else "prompt")
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return room if limit is None else min(room, limit)
+        if requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the messages or "
+                "completion.", param)
+        return requested
+
+    # -- building requests ----------------------------------------------------------------
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send token ids instead", "prompt")
+        if len(text) <= _INLINE_TOKENIZE_CHARS or self.tokenize_pool is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self.tokenize_pool,
+            lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer to decode with")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def sampling_params(self, request: SamplingRequest, *, max_tokens: int,
+                        logprobs: int | None, prompt_logprobs: int | None,
+                        output_kind: RequestOutputKind) -> SamplingParams:
+        """SamplingParams from the request's fields; bad values become 400s naming the field."""
+        if request.priority and self.engine.config.scheduler.policy != "priority":
+            raise bad_request(
+                "priority is only supported with --scheduling-policy priority", "priority")
+        n = 1 if request.n is None else request.n
+        max_seqs = self.engine.config.scheduler.max_num_seqs
+        if n > max_seqs:
+            raise bad_request(f"n={n} exceeds this server's limit of {max_seqs} (max_num_seqs)",
+                              "n")
+        options: dict[str, Any] = {
+            "n": n,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_k": 0 if request.top_k is None else request.top_k,
+            "min_p": 0.0 if request.min_p is None else request.min_p,
+            "presence_penalty": request.presence_penalty or 0.0,
+            "frequency_penalty": request.frequency_penalty or 0.0,
+            "repetition_penalty": (1.0 if request.repetition_penalty is None
+                                   else request.repetition_penalty),
+            "seed": request.seed,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "bad_words": request.bad_words,
+            "ignore_eos": request.ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": request.min_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "skip_special_tokens": request.skip_special_tokens,
+            "spaces_between_special_tokens": request.spaces_between_special_tokens,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+            "logit_bias": _logit_bias(request.logit_bias),
+            "allowed_token_ids": request.allowed_token_ids,
+            "truncate_prompt_tokens": request.truncate_prompt_tokens,
+            "output_kind": output_kind,
+        }
+        try:
+            return SamplingParams(**options)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    def validate_job(self, job: GenerationJob) -> None:
+        """Run the engine's own request checks now, so failures are 400s, not stream errors."""
+        try:
+            self.engine.processor.process(
+                job.request_id, job.prompt.token_ids, job.params,
+                priority=job.priority, cache_salt=job.cache_salt)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    # -- running --------------------------------------------------------------------------
+    async def iterate(self, job: GenerationJob) -> AsyncIterator[RequestOutput]:
+        """The job's outputs; records metrics when it ends however it ends. Prompt
+        logprobs are kept on ``job`` (in DELTA mode they arrive only once)."""
+        reasons: dict[int, str] = {}
+        last_metrics: RequestMetrics | None = None
+        generator = self.engine.generate(job.prompt.token_ids, job.params, job.request_id,
+                                         priority=job.priority, cache_salt=job.cache_salt)
+        self.state.in_flight.add(job.request_id)
+        try:
+            async with contextlib.aclosing(generator):
+                async for output in generator:
+                    if output.prompt_logprobs:
+                        job.prompt_logprobs.extend(output.prompt_logprobs)
+                    for completion in output.outputs:
+                        if completion.finish_reason is not None:
+                            reasons[completion.index] = completion.finish_reason
+                    last_metrics = output.metrics
+                    yield output
+        finally:
+            self.state.in_flight.discard(job.request_id)
+            n = job.params.n
+            self.metrics.observe_request(last_metrics, len(job.prompt.token_ids),
+                                         [reasons.get(i, "abort") for i in range(n)], n)
+
+    async def collect(self, job: GenerationJob) -> RequestOutput:
+        """Run a FINAL_ONLY job to its single output."""
+        final: RequestOutput | None = None
+        async with contextlib.aclosing(self.iterate(job)) as outputs:
+            async for output in outputs:
+                final = output
+        if final is None:
+            raise APIError(500, f"request {job.request_id} ended without output")
+        return final
+
+    async def collect_all(self, jobs: list[GenerationJob]) -> list[RequestOutput]:
+        """Run every job concurrently; one failure cancels (aborts) the others."""
+        tasks = [asyncio.create_task(self.collect(job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()  # a no-op for finished tasks
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stream_jobs(self, jobs: list[GenerationJob]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) pairs from every job as they come."""
+        if len(jobs) == 1:
+            return _tag(0, self.iterate(jobs[0]))
+        return merge_async_iterators([self.iterate(job) for job in jobs])
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias"
+            ) from None
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                "logit_bias")
+        result[token_id] = float(value)
+    return result
+
+
+def clamp_logprob(value: float) -> float:
+    return _MIN_LOGPROB if math.isnan(value) else max(value, _MIN_LOGPROB)
+
+
+def token_text(logprob: Logprob | None, token_id: int, decoder: TokenDecoder | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decoder.decode_token(token_id) if decoder is not None else f"token_id:{token_id}"
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an exception raised while generating to the error the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(exc)
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    logger.error("request failed: %s", describe_exception(exc), exc_info=exc)
+    return APIError(500, f"Internal server error: {describe_exception(exc)}")
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    return sse(to_api_error(exc).body())
+
+
+async def _tag(index: int, iterator: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    async with contextlib.aclosing(iterator):
+        async for item in iterator:
+            yield index, item
+
+
+async def merge_async_iterators(
+    iterators: list[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive; closing the merged iterator
+    cancels (and so closes) every source."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(iterator):
+                async for item in iterator:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, done))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(receive: Any) -> None:
+    """Return when the client disconnects (the request body must be fully read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(work: Awaitable[T], receive: Any) -> T:
+    """Await ``work``; if the client goes away first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "client disconnected")
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that always closes its body iterator, so a client disconnect (the
+    stream task is cancelled) or a server shutdown aborts the requests behind it now,
+    not whenever the generator is garbage-collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._source = content
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._source.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,233 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated.
+
+Streaming follows OpenAI's chunk order per choice: a ``{"role": "assistant"}`` delta
+first, then content deltas, then an empty delta carrying ``finish_reason``; with
+``stream_options.include_usage`` a last chunk with no choices carries the usage.
+
+Tool calling and structured output arrive in a later issue: a request using ``tools``,
+a ``tool_choice`` other than "none", ``functions`` or a ``response_format`` other than
+text is rejected with a 400 rather than silently answered as plain text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import jinja2
+from fastapi.responses import JSONResponse, Response
+
+from engine.core.outputs import CompletionOutput, PositionLogprobs
+from engine.core.sampling_params import RequestOutputKind
+from engine.core.tokenizer import TokenDecoder
+from engine.entrypoints.openai.errors import bad_request, from_value_error
+from engine.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatMessageParam,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+    UsageInfo,
+    now_s,
+    random_id,
+)
+from engine.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    EventStreamResponse,
+    GenerationJob,
+    OpenAIServing,
+    PromptInput,
+    clamp_logprob,
+    run_until_disconnect,
+    sse,
+    sse_error,
+    token_text,
+)
+from engine.entrypoints.openai.serving_completion import serialize_prompt_logprobs
+
+# Arguments the renderer passes itself; chat_template_kwargs must not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "chat_template", "tools", "documents",
+    "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+})
+
+
+@dataclass
+class _Options:
+    request_id: str
+    created: int
+    n: int
+    top_logprobs: int | None  # None: no logprobs
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     receive: Callable) -> Response:
+        self.check_model(request.model)
+        await self.check_alive()
+        self.log_ignored_fields(request, "/v1/chat/completions")
+        _reject_unsupported(request)
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self.check_logprobs_limit(request.top_logprobs, "top_logprobs")
+        self.check_logprobs_limit(request.prompt_logprobs, "prompt_logprobs")
+        text = await self.render(request.messages, request.chat_template,
+                                 request.add_generation_prompt, request.continue_final_message,
+                                 request.chat_template_kwargs)
+        prompt = PromptInput(await self.tokenize(text, request.add_special_tokens), text)
+        truncate = request.truncate_prompt_tokens
+        if truncate is not None and truncate >= 1 and len(prompt.token_ids) > truncate:
+            prompt = PromptInput(prompt.token_ids[-truncate:])
+        if request.max_completion_tokens is not None:
+            requested, param = request.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = request.max_tokens, "max_tokens"
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, param, minimum=1)
+        options = _Options(
+            request_id=random_id("chatcmpl"), created=now_s(),
+            n=1 if request.n is None else request.n,
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        params = self.sampling_params(request, max_tokens=max_tokens,
+                                      logprobs=options.top_logprobs,
+                                      prompt_logprobs=request.prompt_logprobs, output_kind=kind)
+        job = GenerationJob(0, options.request_id, prompt, params, request.priority,
+                            request.cache_salt)
+        self.validate_job(job)
+        if request.stream:
+            stream_options = request.stream_options
+            include_usage = bool(stream_options and stream_options.include_usage)
+            continuous = bool(stream_options and stream_options.continuous_usage_stats)
+            return EventStreamResponse(self._stream(job, options, include_usage, continuous))
+        output = await run_until_disconnect(self.collect(job), receive)
+        choices = [
+            ChatCompletionChoice(
+                index=c.index, message=ChatMessage(content=c.text),
+                logprobs=self._logprobs(c, options), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason)
+            for c in sorted(output.outputs, key=lambda c: c.index)
+        ]
+        prompt_tokens = len(prompt.token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        response = ChatCompletionResponse(
+            id=options.request_id, created=options.created, model=self.model_name,
+            choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens),
+            prompt_logprobs=(serialize_prompt_logprobs(job.prompt_logprobs)
+                             if request.prompt_logprobs is not None else None))
+        return JSONResponse(response.model_dump(mode="json"))
+
+    async def render(self, messages: list[ChatMessageParam], chat_template: str | None,
+                     add_generation_prompt: bool, continue_final_message: bool,
+                     template_kwargs: dict | None) -> str:
+        """The conversation as prompt text; template problems are the client's 400s."""
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs must not set {', '.join(reserved)}",
+                              "chat_template_kwargs")
+        try:
+            return self.engine.processor.apply_chat_template(
+                [m.to_template_dict() for m in messages], chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+        except ValueError as exc:
+            raise from_value_error(exc, "messages") from exc
+        except jinja2.TemplateError as exc:
+            raise bad_request(f"the chat template failed to render: {exc}",
+                              "chat_template") from exc
+
+    def _logprobs(self, completion: CompletionOutput, options: _Options
+                  ) -> ChatChoiceLogprobs | None:
+        if options.top_logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs or [],
+                             options.top_logprobs, self.decoder)
+
+    # -- streaming ------------------------------------------------------------------------
+    async def _stream(self, job: GenerationJob, options: _Options, include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+        prompt_tokens = len(job.prompt.token_ids)
+        completion_tokens = 0
+
+        def usage() -> UsageInfo:
+            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=prompt_tokens + completion_tokens)
+
+        def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=options.request_id, created=options.created, model=self.model_name,
+                choices=choices, usage=usage() if with_usage else None).model_dump(
+                    mode="json", exclude_none=True))
+
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                      content=""))
+                         for i in range(options.n)], continuous_usage)
+            async with contextlib.aclosing(self.iterate(job)) as outputs:
+                async for output in outputs:
+                    content, finished = [], []
+                    for c in output.outputs:
+                        completion_tokens += len(c.token_ids)
+                        logprobs = self._logprobs(c, options)
+                        if c.text or (logprobs is not None and logprobs.content):
+                            content.append(ChatStreamChoice(
+                                index=c.index, delta=DeltaMessage(content=c.text),
+                                logprobs=logprobs))
+                        if c.finish_reason is not None:
+                            finished.append(ChatStreamChoice(
+                                index=c.index, delta=DeltaMessage(),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    for choices in (content, finished):  # finish in a chunk of its own
+                        if choices:
+                            yield chunk(choices, continuous_usage)
+            if include_usage:
+                yield chunk([], True)
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse_error(exc)
+        yield SSE_DONE
+
+
+def _reject_unsupported(request: ChatCompletionRequest) -> None:
+    if request.tools:
+        raise bad_request("tools (tool calling) are not supported yet", "tools")
+    if request.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported yet (only 'none')", "tool_choice")
+    if request.functions or request.function_call not in (None, "none"):
+        raise bad_request("functions / function_call are not supported yet", "functions")
+    fmt = request.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format type {fmt.get('type')!r} is not supported yet (only 'text')",
+            "response_format")
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int,
+                  decoder: TokenDecoder | None) -> ChatChoiceLogprobs:
+    """OpenAI chat logprobs: per token its text, logprob, UTF-8 bytes and the
+    ``num_top`` most likely alternatives (most likely first)."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        text = token_text(chosen, token_id, decoder)
+        ranked = sorted(position.items(), key=lambda item: -item[1].logprob)[:num_top]
+        top = []
+        for tid, lp in ranked:
+            alt = token_text(lp, tid, decoder)
+            top.append(ChatTopLogprob(token=alt, logprob=clamp_logprob(lp.logprob),
+                                      bytes=list(alt.encode("utf-8"))))
+        content.append(ChatTokenLogprob(
+            token=text, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
+            bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)
