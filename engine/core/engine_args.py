@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.core.config import (
@@ -22,6 +24,27 @@ from engine.core.config import (
 )
 
 ATTENTION_BACKEND_ENV = "ENGINE_ATTENTION_BACKEND"
+_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+def resolve_model_source(model: str) -> str:
+    """A local model directory for ``model``: the path itself, or a hub snapshot.
+
+    A name like ``org/model`` that is not a local path is fetched (safetensors, configs,
+    tokenizer files only) through huggingface_hub when online or already cached.
+    """
+    if Path(model).expanduser().exists() or not _HUB_REPO_ID.match(model):
+        return str(Path(model).expanduser())
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=_HUB_FILES)
+    except Exception as exc:  # noqa: BLE001 - any hub failure is the same user error
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 @dataclass
@@ -65,7 +88,7 @@ class EngineArgs:
             from engine.assets import DEMO_MODEL_NAME, demo_model_path
 
             return demo_model_path(), self.served_model_name or DEMO_MODEL_NAME
-        return self.model, self.served_model_name or self.model
+        return resolve_model_source(self.model), self.served_model_name or self.model
 
     def create_engine_config(self) -> EngineConfig:
         from engine.model_executor.model_loader import (
