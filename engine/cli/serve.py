@@ -7,6 +7,7 @@ import logging
 import click
 
 from engine.cli.options import engine_args_from_options, engine_options
+from engine.structured_output.tool_calls import tool_parser_names
 
 
 @click.command("serve")
@@ -25,6 +26,9 @@ from engine.cli.options import engine_args_from_options, engine_options
                    "max_model_len).")
 @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
               help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.")
+@click.option("--tool-call-parser", type=click.Choice(tool_parser_names()), default="hermes",
+              show_default=True,
+              help="How tool calls are read from model text (tool_choice 'auto').")
 @click.option("--timeout-graceful-shutdown", type=click.IntRange(min=0), default=10,
               show_default=True,
               help="Seconds in-flight requests may keep running after SIGTERM / SIGINT.")
@@ -33,7 +37,8 @@ from engine.cli.options import engine_args_from_options, engine_options
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
 def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               served_model_name: str | None, max_request_body_bytes: int,
-              max_tokens_limit: int | None, max_logprobs: int, timeout_graceful_shutdown: int,
+              max_tokens_limit: int | None, max_logprobs: int, tool_call_parser: str,
+              timeout_graceful_shutdown: int,
               log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
     """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
     OpenAI-compatible HTTP API."""
@@ -58,7 +63,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
     settings = ServerSettings(
         served_model_name=engine.model_name, api_key=api_key or None,
         max_request_body_bytes=max_request_body_bytes, max_tokens_limit=max_tokens_limit,
-        max_logprobs=max_logprobs, host=host, port=port,
+        max_logprobs=max_logprobs, tool_call_parser=tool_call_parser, host=host, port=port,
     )
     try:
         run_server(engine, settings, log_level=log_level,

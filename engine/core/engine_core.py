@@ -11,10 +11,13 @@ import logging
 import time
 
 from engine.core.config import EngineConfig
-from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.core.plugins import resolve_platform
-from engine.core.request import Request, RequestStatus
+from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerStats
+
+# While only grammar compiles are pending, a step waits this long for one to finish.
+_GRAMMAR_WAIT_S = 0.01
 
 logger = logging.getLogger(__name__)
 
@@ -24,37 +27,79 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         from engine.model_executor.executor import Executor
+        from engine.structured_output.manager import StructuredOutputManager
 
         self.config = config
         self.platform = resolve_platform(config.device.device)
         self.executor = Executor(config, self.platform)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.structured_output_manager = StructuredOutputManager.from_engine_config(
+            config, vocab_size=self.executor.runner.vocab_size
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            self.executor.num_blocks,
+            structured_output_manager=self.structured_output_manager,
+        )
+        self.scheduler.register_ready_check(
+            RequestStatus.WAITING_FOR_GRAMMAR, self.structured_output_manager.is_ready
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time or time.monotonic(),
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                max_tokens=request.max_tokens,
-            )
+        core_request = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time or time.monotonic(),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            max_tokens=request.max_tokens,
         )
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.scheduler.add_request(core_request)
+        if structured is not None:  # compiles off the step loop; the request waits
+            self.structured_output_manager.add_request(request.request_id, structured)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns what every touched request produced."""
+        failed = self._finish_failed_grammars()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=time.monotonic())
+            return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        bitmask = None
+        if scheduler_output.structured_output_req_ids:
+            bitmask = self.structured_output_manager.grammar_bitmask(
+                scheduler_output.structured_output_req_ids,
+                scheduler_output.scheduled_spec_decode_tokens,
+            )
+        elif scheduler_output.is_empty:
+            self.structured_output_manager.wait_for_compiles(_GRAMMAR_WAIT_S)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask=bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+        return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Finish requests whose grammar failed to compile: finish_reason abort, the
+        error in stop_reason."""
+        outputs = []
+        for request_id, error in self.structured_output_manager.pop_failures():
+            logger.error("request %s: %s", request_id, error)
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=int(FinishReason.ABORT),
+                    stop_reason=f"structured output error: {error}",
+                )
+            )
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -71,4 +116,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release the model and cache (a process-backed core exits after this)."""
+        self.structured_output_manager.shutdown()
         self.executor = None  # type: ignore[assignment]

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.core.chat_template import render_chat_template
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.sampling_params import SamplingParams
+from engine.structured_output import check_compilable
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 
@@ -204,6 +205,10 @@ class Processor:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise ValueError(f"{name}={value} exceeds the vocabulary size {self.vocab_size}")
+        if params.structured_outputs is not None:
+            # Tokenizer-free backend check: a schema, regex or grammar no backend can
+            # compile fails here, before it reaches the engine core.
+            check_compilable(params.structured_outputs)
 
     def _check_ids_in_vocab(self, name: str, ids: Any) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from engine.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -59,6 +61,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
     extra_args: dict[str, Any] | None = None
+    # Constrain the output to a JSON schema / regex / choice / grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the processor from the tokenizer; not user input.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
@@ -70,6 +74,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     # -- validation -----------------------------------------------------------------------
@@ -119,6 +125,11 @@ class SamplingParams:
                      "spaces_between_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be a boolean")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            _fail("structured_outputs", self.structured_outputs,
+                  "must be a StructuredOutputsParams (or a dict of its fields)")
 
     # -- derived --------------------------------------------------------------------------
     @property

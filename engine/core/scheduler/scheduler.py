@@ -32,6 +32,7 @@ import bisect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_io import EngineCoreOutput
@@ -47,6 +48,9 @@ from engine.core.scheduler.output import (
 from engine.core.scheduler.policy import SchedulingPolicy
 from engine.core.scheduler.stats import SchedulerStats
 from engine.core.scheduler.stop import check_stop
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class Scheduler:
         num_blocks: int,
         *,
         num_lookahead_tokens: int = 0,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
@@ -111,6 +116,8 @@ class Scheduler:
         self._ready_checks: dict[RequestStatus, ReadyCheck] = {}
         self._num_preemptions_interval = 0
         self.num_preemptions_total = 0
+        # Advances constrained requests' matchers and forgets them when they finish.
+        self.structured_output_manager = structured_output_manager
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -324,6 +331,13 @@ class Scheduler:
                 del r.spec_token_ids[num_spec:]
                 spec_tokens[r.request_id] = list(r.spec_token_ids)
             r.num_computed_tokens += num_new
+        # Constrained requests that sample this step, in the executor's row order.
+        structured_ids = [
+            rid
+            for rid in step.num_scheduled_tokens
+            if (r := self.requests[rid]).sampling_params.structured_outputs is not None
+            and r.num_computed_tokens >= r.num_tokens
+        ]
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
@@ -334,6 +348,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=step.preempted_req_ids,
+            structured_output_req_ids=structured_ids,
         )
 
     # -- update -----------------------------------------------------------------------------
@@ -359,6 +374,8 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 sampled = []  # mid-prefill: the chunk's last logits are not a next token
             new_token_ids = self._append_tokens(request, sampled)
+            if new_token_ids and request.sampling_params.structured_outputs is not None:
+                self._advance_grammar(request, new_token_ids)
             prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
             if not (new_token_ids or request.is_finished or prompt_logprobs):
                 continue
@@ -392,8 +409,25 @@ class Scheduler:
                 return sampled[:n]
         return sampled
 
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> None:
+        """Feed accepted tokens to the request's matcher; a complete grammar stops it."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return
+        if not manager.accept_tokens(request.request_id, token_ids):
+            logger.error(
+                "request %s: the grammar rejected sampled tokens %s; aborting it",
+                request.request_id, token_ids,
+            )
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = "structured output error: the grammar rejected a token"
+        elif not request.is_finished and manager.is_terminated(request.request_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+
     def _release(self, request: Request) -> None:
         """Forget a finished request (already out of both queues) and free its blocks."""
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_request(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.policy.forget(request)

@@ -45,6 +45,7 @@ from engine.entrypoints.openai.serving_base import ServerSettings, ServerState, 
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from engine.structured_output.tool_calls import get_tool_parser
 
 logger = logging.getLogger("engine.server")
 
@@ -143,6 +144,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     """The OpenAI-compatible app over ``engine`` (an AsyncLLM). With ``shutdown_engine``
     the app's lifespan exit shuts the engine (and its core process) down."""
     settings = settings or ServerSettings()
+    get_tool_parser(settings.tool_call_parser)  # an unknown parser: ValueError naming it
     model_name = settings.served_model_name or engine.model_name
     metrics = ServerMetrics(model_name)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")

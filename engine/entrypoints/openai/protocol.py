@@ -2,8 +2,10 @@
 
 Requests accept unknown fields (the ``openai`` client and other tools send fields this
 server does not use); the serving layer logs them as ignored, as vLLM does. Fields that
-change what the model must do but are not implemented (``tools``, ``response_format``
-other than text, ``suffix``) are rejected with a 400 by the serving layer, never ignored.
+change what the model must do but are not implemented (legacy ``functions``, ``suffix``)
+are rejected with a 400 by the serving layer, never ignored. Structured output
+(``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) is accepted by both
+completions and chat; ``tools`` / ``tool_choice`` by chat.
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ class SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # Structured output (see engine.structured_output.openai_fields): at most one source.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -120,7 +130,6 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -208,6 +217,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    # ToolCallDelta.to_openai() items: the first piece of a call carries id/type/name.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -25,7 +25,13 @@ from starlette.responses import StreamingResponse
 
 from engine.core.core_protocol import describe_exception
 from engine.core.errors import EngineDeadError
-from engine.core.outputs import Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.tokenizer import TokenDecoder
 from engine.entrypoints.openai.errors import (
@@ -37,6 +43,8 @@ from engine.entrypoints.openai.errors import (
 )
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import SamplingRequest
+from engine.structured_output.openai_fields import structured_outputs_from_request
+from engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,11 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 _INLINE_TOKENIZE_CHARS = 4096  # longer texts are tokenized off the event loop
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+# Request fields that constrain the output, in the order a 400 names them.
+_CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar", "guided_decoding_backend",
+                      "tool_choice", "tools")
+_STRUCTURED_OUTPUT_ERROR = "structured output error"  # the core's stop_reason prefix
 
 
 @dataclass
@@ -56,6 +69,7 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for
     max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs
+    tool_call_parser: str = "hermes"  # reads tool calls in tool_choice "auto" outputs
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -168,6 +182,14 @@ class OpenAIServing:
         return requested
 
     # -- building requests ----------------------------------------------------------------
+    def structured_outputs(self, request: SamplingRequest) -> StructuredOutputsParams | None:
+        """The request's output constraint (response_format, guided_*, structured_outputs,
+        a forced tool_choice), validated now so a bad one is a 400 before any stream."""
+        try:
+            return structured_outputs_from_request(request)
+        except ValueError as exc:
+            raise from_value_error(exc, _constraint_param(request)) from exc
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer; send token ids instead", "prompt")
@@ -186,7 +208,9 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, *, max_tokens: int,
                         logprobs: int | None, prompt_logprobs: int | None,
-                        output_kind: RequestOutputKind) -> SamplingParams:
+                        output_kind: RequestOutputKind,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """SamplingParams from the request's fields; bad values become 400s naming the field."""
         if request.priority and self.engine.config.scheduler.policy != "priority":
             raise bad_request(
@@ -222,20 +246,25 @@ class OpenAIServing:
             "allowed_token_ids": request.allowed_token_ids,
             "truncate_prompt_tokens": request.truncate_prompt_tokens,
             "output_kind": output_kind,
+            "structured_outputs": structured_outputs,
         }
         try:
             return SamplingParams(**options)
         except ValueError as exc:
             raise from_value_error(exc) from exc
 
-    def validate_job(self, job: GenerationJob) -> None:
-        """Run the engine's own request checks now, so failures are 400s, not stream errors."""
+    def validate_job(self, job: GenerationJob, request: SamplingRequest | None = None) -> None:
+        """Run the engine's own request checks now, so failures are 400s, not stream errors.
+        With ``request``, a constraint no backend can compile names its field."""
         try:
             self.engine.processor.process(
                 job.request_id, job.prompt.token_ids, job.params,
                 priority=job.priority, cache_salt=job.cache_salt)
         except ValueError as exc:
-            raise from_value_error(exc) from exc
+            param = None
+            if request is not None and "structured output" in str(exc):
+                param = _constraint_param(request)
+            raise from_value_error(exc, param) from exc
 
     # -- running --------------------------------------------------------------------------
     async def iterate(self, job: GenerationJob) -> AsyncIterator[RequestOutput]:
@@ -307,6 +336,22 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                 "logit_bias")
         result[token_id] = float(value)
     return result
+
+
+def _constraint_param(request: SamplingRequest) -> str | None:
+    """The request field that set the output constraint (the first, when several did)."""
+    return next((name for name in _CONSTRAINT_FIELDS
+                 if getattr(request, name, None) is not None), None)
+
+
+def structured_output_failure(completion: CompletionOutput) -> APIError | None:
+    """A 400 when the engine core ended a choice because its constraint failed (a grammar
+    that would not compile, or one that rejected every token); else None."""
+    reason = completion.stop_reason
+    if (completion.finish_reason == "abort" and isinstance(reason, str)
+            and reason.startswith(_STRUCTURED_OUTPUT_ERROR)):
+        return bad_request(reason)
+    return None
 
 
 def clamp_logprob(value: float) -> float:

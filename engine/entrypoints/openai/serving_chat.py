@@ -4,9 +4,13 @@ Streaming follows OpenAI's chunk order per choice: a ``{"role": "assistant"}`` d
 first, then content deltas, then an empty delta carrying ``finish_reason``; with
 ``stream_options.include_usage`` a last chunk with no choices carries the usage.
 
-Tool calling and structured output arrive in a later issue: a request using ``tools``,
-a ``tool_choice`` other than "none", ``functions`` or a ``response_format`` other than
-text is rejected with a 400 rather than silently answered as plain text.
+Structured output (``response_format``, ``guided_*``, ``structured_outputs``) constrains
+every choice. With ``tools`` (and ``tool_choice`` other than "none") the tools go to the
+chat template and each choice's text is split into ``content`` and ``tool_calls`` by a
+:class:`ToolCallHandler`: "required" and a named function are enforced by a JSON schema,
+"auto" is read by the server's tool-call parser (``--tool-call-parser``). Streamed tool
+calls follow OpenAI's shape: a call's first piece carries its id, type and name, later
+pieces extend its ``arguments``. The legacy ``functions`` / ``function_call`` are a 400.
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ from engine.entrypoints.openai.serving_base import (
     run_until_disconnect,
     sse,
     sse_error,
+    structured_output_failure,
     token_text,
 )
 from engine.entrypoints.openai.serving_completion import serialize_prompt_logprobs
+from engine.structured_output.tool_calls import ToolCallStream
+from engine.structured_output.tool_choice import ToolCallHandler
 
 # Arguments the renderer passes itself; chat_template_kwargs must not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -65,6 +72,15 @@ class _Options:
     created: int
     n: int
     top_logprobs: int | None  # None: no logprobs
+    tools: ToolCallHandler | None = None  # None: no tools (the text is the content)
+
+    def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
+        """OpenAI reports "tool_calls" when the model chose to call (auto / required); a
+        named function was forced, so its choice keeps "stop"."""
+        if (reason == "stop" and tools_called and self.tools is not None
+                and self.tools.choice.mode in ("auto", "required")):
+            return "tool_calls"
+        return reason
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -74,6 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         await self.check_alive()
         self.log_ignored_fields(request, "/v1/chat/completions")
         _reject_unsupported(request)
+        structured = self.structured_outputs(request)  # validates tools / tool_choice too
+        handler = self._tool_handler(request)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
@@ -83,7 +101,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs_limit(request.prompt_logprobs, "prompt_logprobs")
         text = await self.render(request.messages, request.chat_template,
                                  request.add_generation_prompt, request.continue_final_message,
-                                 request.chat_template_kwargs)
+                                 request.chat_template_kwargs,
+                                 tools=request.tools if handler is not None else None)
         prompt = PromptInput(await self.tokenize(text, request.add_special_tokens), text)
         truncate = request.truncate_prompt_tokens
         if truncate is not None and truncate >= 1 and len(prompt.token_ids) > truncate:
@@ -96,27 +115,26 @@ class OpenAIServingChat(OpenAIServing):
         options = _Options(
             request_id=random_id("chatcmpl"), created=now_s(),
             n=1 if request.n is None else request.n,
-            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+            top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            tools=handler)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.sampling_params(request, max_tokens=max_tokens,
                                       logprobs=options.top_logprobs,
-                                      prompt_logprobs=request.prompt_logprobs, output_kind=kind)
+                                      prompt_logprobs=request.prompt_logprobs, output_kind=kind,
+                                      structured_outputs=structured)
+        if handler is not None:
+            params = handler.adjust_params(params)
         job = GenerationJob(0, options.request_id, prompt, params, request.priority,
                             request.cache_salt)
-        self.validate_job(job)
+        self.validate_job(job, request)
         if request.stream:
             stream_options = request.stream_options
             include_usage = bool(stream_options and stream_options.include_usage)
             continuous = bool(stream_options and stream_options.continuous_usage_stats)
             return EventStreamResponse(self._stream(job, options, include_usage, continuous))
         output = await run_until_disconnect(self.collect(job), receive)
-        choices = [
-            ChatCompletionChoice(
-                index=c.index, message=ChatMessage(content=c.text),
-                logprobs=self._logprobs(c, options), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason)
-            for c in sorted(output.outputs, key=lambda c: c.index)
-        ]
+        choices = [self._choice(c, options)
+                   for c in sorted(output.outputs, key=lambda c: c.index)]
         prompt_tokens = len(prompt.token_ids)
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         response = ChatCompletionResponse(
@@ -128,9 +146,37 @@ class OpenAIServingChat(OpenAIServing):
                              if request.prompt_logprobs is not None else None))
         return JSONResponse(response.model_dump(mode="json"))
 
+    def _tool_handler(self, request: ChatCompletionRequest) -> ToolCallHandler | None:
+        """The request's tool handling; None when there are no tools or they are off."""
+        if not request.tools and request.tool_choice in (None, "none"):
+            return None
+        try:
+            handler = ToolCallHandler.from_request(request.tools, request.tool_choice,
+                                                   parser=self.settings.tool_call_parser)
+        except ValueError as exc:
+            param = "tool_choice" if request.tool_choice is not None else "tools"
+            raise from_value_error(exc, param) from exc
+        return None if handler.choice.mode == "none" else handler
+
+    def _choice(self, completion: CompletionOutput, options: _Options) -> ChatCompletionChoice:
+        """One finished choice: its text split into content and tool calls."""
+        if (failure := structured_output_failure(completion)) is not None:
+            raise failure
+        message, called = ChatMessage(content=completion.text), False
+        if options.tools is not None:
+            extracted = options.tools.extract(completion.text)
+            called = extracted.tools_called
+            message = ChatMessage(content=extracted.content,
+                                  tool_calls=[call.to_openai() for call in extracted.tool_calls])
+        return ChatCompletionChoice(
+            index=completion.index, message=message, logprobs=self._logprobs(completion, options),
+            finish_reason=options.finish_reason(completion.finish_reason, called),
+            stop_reason=completion.stop_reason)
+
     async def render(self, messages: list[ChatMessageParam], chat_template: str | None,
                      add_generation_prompt: bool, continue_final_message: bool,
-                     template_kwargs: dict | None) -> str:
+                     template_kwargs: dict | None,
+                     tools: list[dict] | None = None) -> str:
         """The conversation as prompt text; template problems are the client's 400s."""
         kwargs = dict(template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
@@ -140,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             return self.engine.processor.apply_chat_template(
                 [m.to_template_dict() for m in messages], chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, tools=tools,
                 continue_final_message=continue_final_message, **kwargs)
         except ValueError as exc:
             raise from_value_error(exc, "messages") from exc
@@ -160,6 +206,9 @@ class OpenAIServingChat(OpenAIServing):
                       continuous_usage: bool) -> AsyncIterator[str]:
         prompt_tokens = len(job.prompt.token_ids)
         completion_tokens = 0
+        handler = options.tools
+        streams: dict[int, ToolCallStream] = (
+            {i: handler.stream() for i in range(options.n)} if handler is not None else {})
 
         def usage() -> UsageInfo:
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -179,16 +228,22 @@ class OpenAIServingChat(OpenAIServing):
                 async for output in outputs:
                     content, finished = [], []
                     for c in output.outputs:
+                        if (failure := structured_output_failure(c)) is not None:
+                            raise failure
                         completion_tokens += len(c.token_ids)
                         logprobs = self._logprobs(c, options)
-                        if c.text or (logprobs is not None and logprobs.content):
+                        delta = _delta(streams.get(c.index), c)
+                        if (delta.content or delta.tool_calls
+                                or (logprobs is not None and logprobs.content)):
                             content.append(ChatStreamChoice(
-                                index=c.index, delta=DeltaMessage(content=c.text),
-                                logprobs=logprobs))
+                                index=c.index, delta=delta, logprobs=logprobs))
                         if c.finish_reason is not None:
+                            stream = streams.get(c.index)
+                            called = stream is not None and stream.tools_called
                             finished.append(ChatStreamChoice(
                                 index=c.index, delta=DeltaMessage(),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                finish_reason=options.finish_reason(c.finish_reason, called),
+                                stop_reason=c.stop_reason))
                     for choices in (content, finished):  # finish in a chunk of its own
                         if choices:
                             yield chunk(choices, continuous_usage)
@@ -200,17 +255,27 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _reject_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools:
-        raise bad_request("tools (tool calling) are not supported yet", "tools")
-    if request.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported yet (only 'none')", "tool_choice")
     if request.functions or request.function_call not in (None, "none"):
-        raise bad_request("functions / function_call are not supported yet", "functions")
-    fmt = request.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {fmt.get('type')!r} is not supported yet (only 'text')",
-            "response_format")
+        raise bad_request("the legacy functions / function_call are not supported; use "
+                          "tools and tool_choice", "functions")
+
+
+def _delta(stream: ToolCallStream | None, completion: CompletionOutput) -> DeltaMessage:
+    """The streamed piece of one choice: plain text, or content + tool-call pieces (the
+    handler's stream is flushed when the choice finishes)."""
+    if stream is None:
+        return DeltaMessage(content=completion.text or None)
+    piece = stream.feed(completion.text) if completion.text else None
+    if completion.finish_reason is not None:
+        rest = stream.finish()
+        if piece is None:
+            piece = rest
+        else:
+            piece.extend(rest)
+    if piece is None:
+        return DeltaMessage()
+    return DeltaMessage(content=piece.content or None,
+                        tool_calls=[t.to_openai() for t in piece.tool_calls] or None)
 
 
 def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], num_top: int,

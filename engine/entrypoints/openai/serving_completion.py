@@ -8,6 +8,10 @@ logprobs (computed by the engine as prompt_logprobs; the first is None: nothing 
 it). ``max_tokens=0`` is allowed (lm-eval's loglikelihood sends it with echo): the engine
 needs at least one generated token, so one is generated and dropped from the text, the
 tokens, the logprobs and the usage; the finish reason is "length".
+
+Structured output (``response_format``, ``guided_*``, ``structured_outputs``) constrains
+every choice; a constraint the engine core fails on is a 400 (or an in-band error event
+once streaming).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from engine.entrypoints.openai.serving_base import (
     run_until_disconnect,
     sse,
     sse_error,
+    structured_output_failure,
     token_text,
 )
 
@@ -85,16 +90,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if options.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        structured = self.structured_outputs(request)
         jobs = []
         for i, prompt in enumerate(await self._prompts(request)):
             max_tokens = self.resolve_max_tokens(len(prompt.token_ids), request.max_tokens,
                                                  "max_tokens", minimum=0)
             params = self.sampling_params(request, max_tokens=max(max_tokens, 1),
                                           logprobs=request.logprobs,
-                                          prompt_logprobs=prompt_logprobs, output_kind=kind)
+                                          prompt_logprobs=prompt_logprobs, output_kind=kind,
+                                          structured_outputs=structured)
             job = GenerationJob(i, f"{options.request_id}-{i}", prompt, params,
                                 request.priority, request.cache_salt)
-            self.validate_job(job)
+            self.validate_job(job, request)
             jobs.append(job)
         if options.echo:
             for job in jobs:
@@ -139,6 +146,8 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         for job, output in zip(jobs, outputs):
             for completion in sorted(output.outputs, key=lambda c: c.index):
+                if (failure := structured_output_failure(completion)) is not None:
+                    raise failure
                 choice, num_tokens = self._choice(job, completion, options, True, 0)
                 if options.return_prompt_logprobs:
                     choice.prompt_logprobs = serialize_prompt_logprobs(job.prompt_logprobs)
@@ -198,6 +207,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     job = jobs[prompt_index]
                     choices = []
                     for completion in output.outputs:
+                        if (failure := structured_output_failure(completion)) is not None:
+                            raise failure
                         index = prompt_index * options.n + completion.index
                         first = index not in started
                         choice, num_tokens = self._choice(job, completion, options, first,
