@@ -13,15 +13,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers.hf_reference import cpu_llm as _engine
+from tests.helpers.hf_reference import load_hf_model as _hf_model
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 16, 17, 33, 48]
-
-
-def _hf_model(path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def _prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -63,12 +59,6 @@ def assert_greedy_equivalent(model, prompt: list[int], got: list[int], want: lis
 def _greedy() -> SamplingParams:
     # min_tokens = max_tokens: EOS is masked exactly as transformers' min_new_tokens does.
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
-
-
-def _engine(path, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 128)
-    return LLM(str(path), device="cpu", **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# ChatML with BOS and a system block listing the tools (a template that renders `tools`).
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|im_start|>system\nTools:{% for t in tools %} "
+    "{{ t['function']['name'] }}({{ t['function']['parameters']['properties'] | list "
+    "| join(', ') }}){% endfor %}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE
+)
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
+
+def build_tokenizer(
+    out_dir: Path, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE
+) -> Any:
     """Train a byte-level BPE on a few sentences and save it as a fast HF tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -48,7 +57,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
     return fast
 
@@ -77,13 +86,19 @@ def build_model_dir(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     init_range: float = 0.25,
+    chat_template: str = CHAT_TEMPLATE,
+    greedy_cycle: str | None = None,
     **overrides: Any,
 ) -> Path:
-    """Save a tiny random model of ``variant`` plus a tokenizer into ``out_dir``."""
+    """Save a tiny random model of ``variant`` plus a tokenizer into ``out_dir``.
+
+    ``greedy_cycle``: rewire the weights so greedy decoding emits this text's UTF-8 bytes
+    forever, one byte token per step (see :func:`make_greedy_cycle`).
+    """
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out_dir)
+    tokenizer = build_tokenizer(out_dir, chat_template=chat_template)
     spec = dict(ARCH_CONFIGS[variant])
     arch = spec.pop("arch")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
@@ -105,6 +120,58 @@ def build_model_dir(
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype)
+    model = model_cls(config)
+    if greedy_cycle is not None:
+        make_greedy_cycle(model, byte_token_ids(tokenizer, greedy_cycle.encode()))
+    model = model.to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def byte_token_ids(tokenizer: Any, data: bytes) -> list[int]:
+    """The single-byte token of each byte (byte-level BPE keeps all 256 in its alphabet)."""
+    byte_to_char = _gpt2_bytes_to_unicode()
+    return [tokenizer.convert_tokens_to_ids(byte_to_char[b]) for b in data]
+
+
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which ByteLevel pre-tokenizers use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@torch.no_grad()
+def make_greedy_cycle(model: Any, cycle: list[int]) -> None:
+    """Turn a Llama-style model into a bigram table whose argmax walks ``cycle``.
+
+    Zeroing every block's output projections leaves the residual stream equal to the
+    input embedding; embeddings are one-hot (slot ``i`` for ``cycle[i]``, one shared slot
+    for every other token) and the LM head maps slot ``i`` to ``cycle[i + 1]`` and the
+    shared slot to ``cycle[0]``, each with a margin of 32 nats. The cycle's tokens must be
+    distinct so that "the next token" is a function of the current one.
+    """
+    if len(set(cycle)) != len(cycle):
+        raise ValueError(f"greedy cycle tokens must be distinct, got {cycle}")
+    hidden = model.config.hidden_size
+    if len(cycle) + 1 > hidden:
+        raise ValueError(f"a cycle of {len(cycle)} tokens needs hidden_size > {len(cycle)}")
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    other = len(cycle)
+    embed = model.model.embed_tokens.weight
+    embed.zero_()
+    embed[:, other] = 1.0
+    head = model.lm_head.weight
+    head.zero_()
+    head[cycle[0], other] = 4.0  # normed one-hot is sqrt(hidden) = 8 -> logit 32
+    for i, token in enumerate(cycle):
+        embed[token].zero_()
+        embed[token, i] = 1.0
+        head[cycle[(i + 1) % len(cycle)], i] = 4.0
