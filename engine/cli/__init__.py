@@ -13,6 +13,7 @@ import click
 
 _COMMANDS: dict[str, str] = {
     "plugins": "engine.cli.plugins_cmd:plugins",
+    "bench": "engine.cli.bench:bench_cmd",
     "generate": "engine.cli.generate:generate_cmd",
     "chat": "engine.cli.chat:chat_cmd",
     "serve": "engine.cli.serve:serve_cmd",

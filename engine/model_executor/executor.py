@@ -84,5 +84,7 @@ class Executor:
             )
         return int(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
+    ) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output, grammar_bitmask)

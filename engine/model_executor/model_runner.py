@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, Sched
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.input_batch import InputBatch, StepIndices
 from engine.model_executor.sampling import Sampler, SamplingState, compute_prompt_logprobs
+from engine.structured_output.bitmask import bitmask_for_sampling_rows
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,26 @@ class KVCacheSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         per_layer = 2 * block_size * self.num_kv_heads * self.head_size * itemsize
         return per_layer * self.num_layers
+
+
+@dataclass
+class _PromptLogprobsProgress:
+    """How far a request's prompt logprobs got: prompt tokens ``[0, num_reported)`` are
+    reported (token 0 has none), so a recomputed prefill does not report them twice."""
+
+    num_logprobs: int  # SamplingParams.prompt_logprobs
+    num_reported: int = 1
+
+
+@dataclass
+class StepInputs:
+    """Everything one step's forward and sampling read, built once by ``_prepare_inputs``."""
+
+    req_ids: list[str]  # batch order
+    step: StepIndices
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: Any  # whatever the attention backend's build_metadata returned
 
 
 class ModelRunner:
@@ -64,22 +86,22 @@ class ModelRunner:
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, self.device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        # req_id -> number of prompt logprobs asked for (only while its prefill runs).
-        self._prompt_logprobs: dict[str, int] = {}
+        # Requests whose prompt logprobs are still due (kept across preemption).
+        self._prompt_logprobs: dict[str, _PromptLogprobsProgress] = {}
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=spec.dtype, device=self.device)
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
 
     # -- state updates --------------------------------------------------------------------
-    def _apply_diffs(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's diffs to the persistent batch (new, resumed, finished)."""
         batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self._prompt_logprobs.pop(req_id, None)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self._drop(req_id)
         for new in so.scheduled_new_reqs:
@@ -100,7 +122,10 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
             )
             if params.prompt_logprobs is not None and not new.output_token_ids:
-                self._prompt_logprobs[new.req_id] = params.prompt_logprobs
+                # Kept across preemption: a recomputed prefill reports only new tokens.
+                self._prompt_logprobs.setdefault(
+                    new.req_id, _PromptLogprobsProgress(params.prompt_logprobs)
+                )
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -113,49 +138,41 @@ class ModelRunner:
         row = self.input_batch.remove(req_id)
         if row is not None:
             self.sampling_state.remove_request(row)
-        self._prompt_logprobs.pop(req_id, None)
 
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_diffs(so)
+    def execute_model(
+        self, so: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
+    ) -> ModelRunnerOutput:
+        """update states -> prepare inputs -> forward -> (prompt logprobs) -> sample.
+
+        ``grammar_bitmask`` (structured outputs): one int32 row per id of
+        ``so.structured_output_req_ids``, or None when no request is constrained."""
+        self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        req_ids = list(so.num_scheduled_tokens)
-        rows = np.fromiter(
-            (self.input_batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        inputs = self._prepare_inputs(so)
+        hidden = self._forward(inputs)
+        prompt_lp = self._prompt_logprobs_of_step(inputs, hidden)
+        tokens, logprobs = self._sample(
+            inputs, hidden, so.structured_output_req_ids, grammar_bitmask
         )
-        num_scheduled = np.fromiter(
-            so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
-        )
-        step = self.input_batch.prepare_step(rows, num_scheduled)
-        hidden = self._run_model(step)
-
-        prompt_lp = self._prompt_logprobs_of_step(req_ids, step, hidden)
-        sampled = self._sample(step, hidden)
-
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
-        if len(step.sample_batch_idx):
-            token_ids = sampled.sampled_token_ids.cpu().numpy()
-            sample_rows = rows[step.sample_batch_idx]
-            self.input_batch.append_sampled(sample_rows, token_ids)
-            self.sampling_state.append_tokens(sample_rows, token_ids)
-            for i, tok in zip(step.sample_batch_idx.tolist(), token_ids.tolist()):
-                sampled_lists[i] = [tok]
-            if sampled.logprobs is not None:
-                lists = sampled.logprobs.tolists()
-                for j, i in enumerate(step.sample_batch_idx.tolist()):
-                    if self.sampling_state.wants_logprobs(int(rows[i])):
-                        logprobs[req_ids[i]] = lists.select(j)
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=sampled_lists,
+            req_ids=inputs.req_ids,
+            sampled_token_ids=self._token_lists(inputs, tokens),
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
         )
 
-    def _run_model(self, step: StepIndices) -> torch.Tensor:
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled tokens (bulk numpy) and build the attention metadata."""
+        req_ids = list(so.num_scheduled_tokens)
+        row_of = self.input_batch.req_id_to_row
+        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_scheduled = np.fromiter(
+            so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
+        )
+        step = self.input_batch.prepare_step(rows, num_scheduled)
         dev = self.device
         batch = AttentionBatch(
             num_reqs=len(step.rows),
@@ -169,46 +186,99 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc,
             seq_lens_cpu=step.seq_lens,
         )
-        metadata = self.attn_backend.build_metadata(batch)
-        input_ids = torch.from_numpy(step.input_ids).to(dev)
-        positions = torch.from_numpy(step.positions).to(dev)
-        with set_forward_context(ForwardContext(metadata, self.kv_caches)):
-            return self.model(input_ids, positions)
+        return StepInputs(
+            req_ids=req_ids,
+            step=step,
+            input_ids=torch.from_numpy(step.input_ids).to(dev),
+            positions=torch.from_numpy(step.positions).to(dev),
+            attn_metadata=self.attn_backend.build_metadata(batch),
+        )
 
-    def _sample(self, step: StepIndices, hidden: torch.Tensor):
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        with set_forward_context(ForwardContext(inputs.attn_metadata, self.kv_caches)):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    def _sample(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        structured_req_ids: list[str] | None = None,
+        grammar_bitmask: torch.Tensor | None = None,
+    ) -> tuple[list[int], dict[str, LogprobsLists]]:
+        """Sample the rows that completed their known tokens; record the new tokens."""
+        step = inputs.step
         if not len(step.sample_batch_idx):
-            return None
+            return [], {}
         idx = torch.from_numpy(step.logits_indices).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        metadata = self.sampling_state.build_metadata(step.rows[step.sample_batch_idx])
-        return self.sampler(logits, metadata)
+        sample_rows = step.rows[step.sample_batch_idx]
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            sampling_req_ids = [inputs.req_ids[i] for i in step.sample_batch_idx.tolist()]
+            token_bitmask = bitmask_for_sampling_rows(
+                grammar_bitmask, structured_req_ids or [], sampling_req_ids
+            )
+        sampled = self.sampler(
+            logits, self.sampling_state.build_metadata(sample_rows), token_bitmask=token_bitmask
+        )
+        token_ids = sampled.sampled_token_ids.cpu().numpy()
+        self.input_batch.append_sampled(sample_rows, token_ids)
+        self.sampling_state.append_tokens(sample_rows, token_ids)
+        logprobs: dict[str, LogprobsLists] = {}
+        if sampled.logprobs is not None:
+            lists = sampled.logprobs.tolists()
+            for j, i in enumerate(step.sample_batch_idx.tolist()):
+                if self.sampling_state.wants_logprobs(int(step.rows[i])):
+                    logprobs[inputs.req_ids[i]] = lists.select(j)
+        return token_ids.tolist(), logprobs
+
+    @staticmethod
+    def _token_lists(inputs: StepInputs, tokens: list[int]) -> list[list[int]]:
+        """Per request of the step: ``[token]`` if it sampled, else ``[]``."""
+        if len(tokens) == len(inputs.req_ids):  # every request sampled: the decode case
+            return [[t] for t in tokens]
+        lists: list[list[int]] = [[] for _ in inputs.req_ids]
+        for i, tok in zip(inputs.step.sample_batch_idx.tolist(), tokens):
+            lists[i] = [tok]
+        return lists
 
     def _prompt_logprobs_of_step(
-        self, req_ids: list[str], step: StepIndices, hidden: torch.Tensor
+        self, inputs: StepInputs, hidden: torch.Tensor
     ) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token computed this step, for requests that asked.
 
         A position ``p`` predicts prompt token ``p + 1``; the first prompt token has no
-        logprob (the output processor reports None for it).
+        logprob (the output processor reports None for it). A prefill recomputed after a
+        preemption reports only the prompt tokens not reported before it.
         """
         if not self._prompt_logprobs:
             return {}
         out: dict[str, LogprobsLists] = {}
         batch = self.input_batch
-        for i, req_id in enumerate(req_ids):
-            k = self._prompt_logprobs.get(req_id)
-            if k is None:
+        step = inputs.step
+        for i, req_id in enumerate(inputs.req_ids):
+            progress = self._prompt_logprobs.get(req_id)
+            if progress is None:
                 continue
             row = int(step.rows[i])
             start = int(step.query_start_loc[i])
             first_pos = int(step.positions[start])
             n_prompt = int(batch.num_prompt_tokens[row])
-            last_pos = min(first_pos + int(step.num_scheduled[i]), n_prompt - 1)
-            if last_pos > first_pos:
-                flat = torch.arange(start, start + last_pos - first_pos, device=self.device)
+            # Prompt tokens [first_target, last_target] are scored by positions one before.
+            first_target = max(first_pos + 1, progress.num_reported)
+            last_target = min(first_pos + int(step.num_scheduled[i]), n_prompt - 1)
+            if last_target >= first_target:
+                flat = torch.arange(
+                    start + first_target - 1 - first_pos,
+                    start + last_target - first_pos,
+                    device=self.device,
+                )
                 logits = self.model.compute_logits(hidden.index_select(0, flat))
-                targets = torch.from_numpy(batch.token_ids[row, first_pos + 1 : last_pos + 1])
-                out[req_id] = compute_prompt_logprobs(logits, targets.to(self.device), k)
+                targets = torch.from_numpy(batch.token_ids[row, first_target : last_target + 1])
+                out[req_id] = compute_prompt_logprobs(
+                    logits, targets.to(self.device), progress.num_logprobs
+                )
+                progress.num_reported = last_target + 1
             if first_pos + int(step.num_scheduled[i]) >= n_prompt:
                 del self._prompt_logprobs[req_id]  # prefill complete
         return out

@@ -12,7 +12,7 @@ import torch
 from engine.core.config import CPU_KVCACHE_ENV, CacheConfig
 from engine.core.interfaces import ProbeResult
 from engine.distributed import GlooCommunicator, NcclCommunicator
-from engine.plugins.cpu.platform import CPUPlatform
+from engine.plugins.cpu.platform import CPUPlatform, usable_core_count
 from engine.plugins.cuda.platform import CUDAPlatform
 from engine.plugins.gpu_memory import GIB, activation_margin, gpu_kv_cache_bytes
 from engine.plugins.rocm.platform import ROCmPlatform
@@ -66,8 +66,8 @@ def test_cpu_set_num_threads() -> None:
     try:
         cpu.set_num_threads(1)
         assert torch.get_num_threads() == 1
-        cpu.set_num_threads(None)
-        assert torch.get_num_threads() == 1
+        cpu.set_num_threads(None)  # default: one thread per CPU the process may use
+        assert torch.get_num_threads() == usable_core_count()
         with pytest.raises(ValueError, match="num_threads"):
             cpu.set_num_threads(0)
     finally:

@@ -123,6 +123,18 @@ class AttentionBackend(ABC):
             return f"{cls.name} does not support sliding-window attention"
         return None
 
+    def allocate_kv_cache(
+        self, shape: tuple[int, ...], dtype: "torch.dtype", num_layers: int
+    ) -> list["torch.Tensor"]:
+        """One zero-filled cache tensor of ``shape`` per layer, on this backend's device.
+
+        A backend may override how the memory is obtained (e.g. pages the OS zero-fills
+        on first touch); the contents must read as zeros either way.
+        """
+        import torch
+
+        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the step's batch into kernel metadata, once per step for all layers."""

@@ -154,12 +154,21 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos_sin = self.cos_sin(positions)
+        return self.apply(q, cos_sin), self.apply(k, cos_sin)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, head_size // 2]``, for the flat ``positions``.
+
+        Models gather this once per forward and hand it to every layer.
+        """
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return cos[:, None, :], sin[:, None, :]
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on flat ``x [T, n * head_size]``: any number of heads, so the q and k
+        heads of a fused projection can be rotated in one pass."""
+        cos, sin = cos_sin
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         x1, x2 = x.chunk(2, dim=-1)

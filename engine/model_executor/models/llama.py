@@ -34,6 +34,7 @@ STACKED_PARAMS = (
     StackedParam(".gate_up_proj.", ".gate_proj.", 0),
     StackedParam(".gate_up_proj.", ".up_proj.", 1),
 )
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.cos_sin of the step
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -129,11 +130,17 @@ class LlamaAttention(nn.Module):
         shape = x.shape
         return norm(x.reshape(shape[0], -1, self.head_size)).view(shape)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None:
+    def forward(self, rope: RopeCosSin, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.shard_sizes["q"], self.qkv_proj.shard_sizes["k"]
+        if self.q_norm is None:  # q and k heads side by side: one rotary pass for both
+            qk = self.rotary_emb.apply(qkv[:, : q_size + kv_size], rope)
+            q, k = qk.split([q_size, kv_size], dim=-1)
+            v = qkv[:, q_size + kv_size :]
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
             q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.apply(q, rope), self.rotary_emb.apply(k, rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -155,14 +162,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rope: RopeCosSin, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -173,6 +180,7 @@ class LlamaModel(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, **common)
         rotary_emb = RotaryEmbedding(opts.head_size, rope_scaling_from_config(hf_config), **common)
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb)
             for i in range(hf_config.num_hidden_layers)
@@ -181,9 +189,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions)  # once per forward, for every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

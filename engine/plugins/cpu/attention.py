@@ -25,12 +25,14 @@ Per layer, :meth:`CPUAttentionImpl.forward`:
 
 Everything that depends only on the batch (block indices, masks per sliding-window
 size) is computed once per step in :class:`CPUAttentionMetadata` and shared by all
-layers. Masked-out cache slots must hold finite values (the runner zero-fills caches):
+layers. Masked-out cache slots must hold finite values (caches start zero-filled):
 a masked key gets probability 0, but ``0 * inf`` would still poison the sum.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -269,6 +271,20 @@ class CPUAttentionBackend(AttentionBackend):
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    def allocate_kv_cache(
+        self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int
+    ) -> list[torch.Tensor]:
+        """Caches on anonymous memory maps: the OS hands out zero pages on first touch,
+        so a multi-GiB cache costs neither startup time nor RAM until blocks are used
+        (``torch.zeros`` would write every page up front)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        caches = []
+        for _ in range(num_layers):
+            buffer = mmap.mmap(-1, max(nbytes, 1))
+            flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+            caches.append(flat.view(dtype).view(shape))
+        return caches
 
     def make_impl(self, spec: AttentionLayerSpec) -> CPUAttentionImpl:
         if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:

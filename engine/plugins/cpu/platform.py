@@ -85,6 +85,23 @@ def free_memory_bytes() -> int:
     return available
 
 
+def usable_core_count() -> int:
+    """Physical cores among the CPUs this process may run on (SMT siblings count once)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        package = _read_int(topology + "physical_package_id")
+        core = _read_int(topology + "core_id")
+        if package is None or core is None:  # no topology exposed: count CPUs
+            return len(cpus)
+        cores.add((package, core))
+    return len(cores) or 1
+
+
 class CPUPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -135,13 +152,22 @@ class CPUPlatform(Platform):
         return kv_bytes
 
     def set_num_threads(self, num_threads: int | None) -> None:
+        """``num_threads`` intra-op threads; None: one per physical core this process may
+        run on.
+
+        torch's own default counts every core of the machine, which oversubscribes a
+        process pinned to fewer CPUs (taskset, cgroup cpusets): each op's parallel region
+        then waits for a thread the OS cannot run. SMT siblings share one core's GEMM
+        units, so they get no thread of their own.
+        """
         if num_threads is None:
-            return
+            num_threads = usable_core_count()
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         import torch
 
-        torch.set_num_threads(num_threads)
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
 
     def attention_backends(self) -> list[type[AttentionBackend]]:
         """The CPU backend first; the portable Triton backend too when triton imports."""

@@ -1,0 +1,187 @@
+"""Where one decode step's time goes, stage by stage, at a given number of running requests.
+
+The profiled step is the engine's own (``LLMEngine.step`` in-process), timed from the
+outside: the scheduler, model runner and output processor methods that make up a step
+are wrapped with timers for the duration of the profile only, and the model's
+attention and linear modules get forward hooks, so nothing in the engine carries
+profiling code. Stages::
+
+    schedule       Scheduler.schedule
+    prepare        runner: apply the scheduler's diffs, build step tensors + attention metadata
+    attention      Attention layers (KV write + paged attention)
+    linear         linear layers (GEMMs) of the decoder
+    other          the rest of the forward (embedding, norms, rotary, activations, residuals)
+    logits         LM head
+    sample         sampler (and the runner's bookkeeping of sampled tokens)
+    update         Scheduler.update_from_output
+    output         OutputProcessor.process_outputs (detokenize, stop checks, RequestOutputs)
+
+The step reported is the median of the profiled steps by wall time, with its own stage
+split (so the stages add up to ``step_ms``); ``unaccounted`` is what no stage covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from engine.benchmarks.workload import Workload
+
+STAGES = (
+    "schedule", "prepare", "attention", "linear", "other", "logits", "sample", "update", "output",
+)
+OVERHEAD_STAGES = ("schedule", "prepare", "sample")  # what the <10% target is about
+
+
+@dataclass
+class StepProfile:
+    num_running: int
+    context_len: int  # tokens per request at the first profiled step
+    step_ms: float  # wall time of the median step
+    stage_ms: dict[str, float]  # that step's time per stage
+
+    @property
+    def overhead_share(self) -> float:
+        """Scheduler + input preparation + sampling, as a share of the step."""
+        return sum(self.stage_ms[s] for s in OVERHEAD_STAGES) / self.step_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_running": self.num_running,
+            "context_len": self.context_len,
+            "step_ms": round(self.step_ms, 3),
+            "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
+            "overhead_share": round(self.overhead_share, 4),
+        }
+
+
+class _Clock:
+    """Wall time per stage within one step; a nested stage's time leaves its parent's."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[Any]] = []  # [stage, start, time taken by nested stages]
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self._stack.clear()
+
+    def start(self, stage: str) -> None:
+        self._stack.append([stage, time.perf_counter(), 0.0])
+
+    def stop(self) -> None:
+        stage, start, nested = self._stack.pop()
+        took = time.perf_counter() - start
+        self.totals[stage] += took - nested
+        if self._stack:
+            self._stack[-1][2] += took
+
+    def wrap(self, stage: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self.start(stage)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stop()
+
+        return timed
+
+
+@contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Shadow ``obj.name`` with an instance attribute for the duration."""
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+def _module_stage(module) -> str | None:
+    from engine.model_executor.layers.attention import Attention
+    from engine.model_executor.layers.embedding import LMHead
+    from engine.model_executor.layers.linear import LinearBase
+
+    if isinstance(module, Attention):
+        return "attention"
+    if isinstance(module, LMHead):
+        return "logits"
+    if isinstance(module, LinearBase):
+        return "linear"
+    return None
+
+
+@contextmanager
+def _instrument(engine, clock: _Clock) -> Iterator[None]:
+    """Time the step's stages into ``clock`` while the context is open."""
+    core = engine.client.core
+    runner = core.executor.runner
+    methods = [
+        (core.scheduler, "schedule", "schedule"),
+        (core.scheduler, "update_from_output", "update"),
+        (engine.output_processor, "process_outputs", "output"),
+        (runner, "_update_states", "prepare"),
+        (runner, "_prepare_inputs", "prepare"),
+        (runner, "_forward", "other"),
+        (runner, "_sample", "sample"),
+    ]
+    with ExitStack() as stack:
+        for obj, name, stage in methods:
+            stack.enter_context(_patched(obj, name, clock.wrap(stage, getattr(obj, name))))
+        for module in runner.model.modules():
+            stage = _module_stage(module)
+            if stage is None:
+                continue
+            pre = module.register_forward_pre_hook(lambda *_, s=stage: clock.start(s))
+            post = module.register_forward_hook(lambda *_: clock.stop())
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+        yield
+
+
+def profile_decode_step(
+    llm, workload: Workload, num_steps: int = 10, skip_steps: int = 3
+) -> StepProfile:
+    """Profile ``num_steps`` decode steps with ``workload.num_prompts`` requests running.
+
+    Every prompt is prefilled first and ``skip_steps`` decode steps run unmeasured, so
+    each profiled step is a pure decode step of the whole batch.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    engine = llm.llm_engine
+    if not hasattr(engine.client, "core"):
+        raise ValueError("the step profile needs the in-process engine core")
+    needed = skip_steps + num_steps + 2
+    if workload.output_len < needed:
+        workload = dataclasses.replace(workload, output_len=needed)
+    params = workload.sampling_params()
+    for prompt in workload.prompts():
+        engine.add_request(engine.next_request_id(), prompt, params)
+    scheduler = engine.client.core.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()
+    for _ in range(skip_steps):
+        engine.step()
+    context_len = workload.input_len + skip_steps + 1
+    clock = _Clock()
+    profiles: list[tuple[float, dict[str, float]]] = []
+    with _instrument(engine, clock):
+        for _ in range(num_steps):
+            clock.reset()
+            start = time.perf_counter()
+            engine.step()
+            step_ms = (time.perf_counter() - start) * 1e3
+            stage_ms = {s: clock.totals.get(s, 0.0) * 1e3 for s in STAGES}
+            stage_ms["unaccounted"] = max(0.0, step_ms - sum(stage_ms.values()))
+            profiles.append((step_ms, stage_ms))
+    while engine.has_unfinished_requests():
+        engine.step()
+    profiles.sort(key=lambda p: p[0])
+    step_ms, stage_ms = profiles[len(profiles) // 2]  # the median step, whole
+    return StepProfile(workload.num_prompts, context_len, step_ms, stage_ms)

@@ -1,0 +1,237 @@
+"""`engine bench ...`: reproducible performance measurements (table on stdout, --json FILE).
+
+Subcommands (a click group, so serving benchmarks join as further subcommands):
+
+* ``throughput``  every prompt submitted at once through the offline API
+* ``latency``     one request: time to first token and ms per output token
+* ``prefix``      time to first token with a shared prompt prefix, caching on vs off
+* ``profile``     where one decode step's time goes, stage by stage
+
+Defaults reproduce the reference workload (64 prompts of 128 random token ids, 128
+greedy output tokens, EOS ignored); every engine option keeps the engine's own default.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from engine.cli.options import engine_args_from_options, engine_options
+
+
+def _workload_options(
+    num_prompts: int, input_len: int, output_len: int, repeats: bool = True
+) -> Callable:
+    options = [
+        click.option("--num-prompts", type=int, default=num_prompts, show_default=True),
+        click.option("--input-len", type=int, default=input_len, show_default=True,
+                     help="Prompt length in token ids."),
+        click.option("--output-len", type=int, default=output_len, show_default=True,
+                     help="Output tokens per request."),
+        click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True),
+        click.option("--warmup", type=int, default=1, show_default=True,
+                     help="Unmeasured rounds first."),
+        *([click.option("--repeats", type=int, default=1, show_default=True,
+                        help="Measured rounds (the median is reported).")] if repeats else []),
+        click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                     help="Also write the results to this JSON file."),
+    ]
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return engine_options(func)
+
+    return decorate
+
+
+@click.group("bench")
+def bench_cmd() -> None:
+    """Measure throughput, latency, prefix caching and the decode step profile."""
+
+
+def _make_llm(engine_kwargs: dict[str, Any], **overrides: Any):
+    from engine import LLM
+
+    return LLM(**{**engine_args_from_options(engine_kwargs), **overrides})
+
+
+def _workload(engine_kwargs: dict[str, Any], num_prompts: int, input_len: int,
+              output_len: int, ignore_eos: bool):
+    from engine.benchmarks.workload import Workload
+
+    return Workload(
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        ignore_eos=ignore_eos,
+        vocab_high=_vocab_high(engine_kwargs),
+    )
+
+
+def _vocab_high(engine_kwargs: dict[str, Any]) -> int:
+    """The prompt-id bound for the model, read from its config (no engine needed)."""
+    from engine.benchmarks.workload import vocab_high_for
+    from engine.core.engine_args import EngineArgs
+    from engine.model_executor.model_loader import load_model_files
+
+    args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs))
+    path, _ = args.resolved_model_path()
+    return vocab_high_for(load_model_files(path).hf_config.vocab_size)
+
+
+def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
+          results: dict[str, Any], rows: list[tuple[str, str]], json_path: str | None) -> None:
+    from engine.benchmarks.report import environment, format_table, write_json
+
+    env = environment()
+    rows = rows + [
+        ("threads / load avg", f"{env['torch_threads']} / {env['load_avg_1m']}"),
+    ]
+    click.echo(format_table(rows, f"engine bench {mode}: {llm_info['model']}"))
+    if json_path:
+        write_json(json_path, {"mode": mode, **llm_info, "settings": settings,
+                               "results": results, "environment": env})
+
+
+def _llm_info(llm, load_s: float) -> dict[str, Any]:
+    config = llm.llm_engine.config
+    return {"model": config.model.model, "dtype": config.model.dtype,
+            "load_s": round(load_s, 2)}
+
+
+def _timed_llm(engine_kwargs: dict[str, Any]):
+    start = time.perf_counter()
+    llm = _make_llm(engine_kwargs)
+    return llm, time.perf_counter() - start
+
+
+def _fail(exc: Exception):
+    raise click.ClickException(str(exc)) from exc
+
+
+@bench_cmd.command("throughput")
+@_workload_options(num_prompts=64, input_len=128, output_len=128)
+def throughput_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
+                   warmup: int, repeats: int, json_path: str | None, **engine_kwargs) -> None:
+    """Offline throughput: every prompt submitted at once, output tokens per second."""
+    from engine.benchmarks.offline import run_throughput
+    from engine.benchmarks.report import runs_text
+
+    try:
+        llm, load_s = _timed_llm(engine_kwargs)
+        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos)
+        result = run_throughput(llm, workload, warmup=warmup, repeats=repeats).to_json()
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(exc)
+    _emit("throughput", _llm_info(llm, load_s), _settings(workload, warmup, repeats), result, [
+        ("requests x (in, out)", f"{num_prompts} x ({input_len}, {output_len})"),
+        ("output tokens/s", runs_text(result["output_tok_s"], "tok/s")),
+        ("total tokens/s", f"{result['total_tok_s']} tok/s"),
+        ("wall", runs_text(result["elapsed_s"], "s")),
+        ("engine load", f"{load_s:.2f} s"),
+    ], json_path)
+
+
+@bench_cmd.command("latency")
+@_workload_options(num_prompts=1, input_len=128, output_len=128)
+def latency_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
+                warmup: int, repeats: int, json_path: str | None, **engine_kwargs) -> None:
+    """Single-stream latency: TTFT and decode ms per output token of one request."""
+    from engine.benchmarks.offline import run_latency
+    from engine.benchmarks.report import runs_text
+
+    if num_prompts != 1:
+        raise click.BadParameter("latency runs one request at a time", param_hint="--num-prompts")
+    try:
+        llm, load_s = _timed_llm(engine_kwargs)
+        workload = _workload(engine_kwargs, 1, input_len, output_len, ignore_eos)
+        result = run_latency(llm, workload, warmup=warmup, repeats=repeats).to_json()
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(exc)
+    _emit("latency", _llm_info(llm, load_s), _settings(workload, warmup, repeats), result, [
+        ("prompt / output tokens", f"{input_len} / {output_len}"),
+        ("time to first token", runs_text(result["ttft_ms"], "ms")),
+        ("decode", runs_text(result["decode_ms_per_token"], "ms/token")),
+        ("end to end", runs_text(result["e2e_s"], "s")),
+    ], json_path)
+
+
+@bench_cmd.command("prefix")
+@_workload_options(num_prompts=1, input_len=1024, output_len=1)
+@click.option("--prefix-len", type=int, default=960, show_default=True,
+              help="Leading tokens the measured prompt shares with the earlier one.")
+def prefix_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
+               warmup: int, repeats: int, json_path: str | None, prefix_len: int,
+               **engine_kwargs) -> None:
+    """Prefix caching: TTFT of a prompt sharing --prefix-len tokens, caching on vs off."""
+    from engine.benchmarks.offline import run_prefix
+    from engine.benchmarks.report import runs_text
+
+    engine_kwargs.pop("enable_prefix_caching", None)  # the benchmark sets it both ways
+    info: dict[str, Any] = {}
+
+    def make_llm(caching: bool):
+        start = time.perf_counter()
+        llm = _make_llm(engine_kwargs, enable_prefix_caching=caching)
+        info.setdefault("llm", _llm_info(llm, time.perf_counter() - start))
+        return llm
+
+    try:
+        result = run_prefix(
+            make_llm, input_len=input_len, prefix_len=prefix_len,
+            vocab_high=_vocab_high(engine_kwargs), warmup=warmup, repeats=repeats,
+        ).to_json()
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(exc)
+    _emit("prefix", info["llm"], {"input_len": input_len, "prefix_len": prefix_len,
+                           "warmup": warmup, "repeats": repeats}, result, [
+        ("prompt / shared prefix", f"{input_len} / {prefix_len} tokens"),
+        ("TTFT, caching on", runs_text(result["ttft_cached_ms"], "ms")),
+        ("TTFT, caching off", runs_text(result["ttft_uncached_ms"], "ms")),
+        ("speedup", f"{result['speedup']}x ({result['num_cached_tokens']} tokens cached)"),
+    ], json_path)
+
+
+@bench_cmd.command("profile")
+@_workload_options(num_prompts=64, input_len=128, output_len=32, repeats=False)
+@click.option("--steps", type=int, default=10, show_default=True,
+              help="Decode steps to profile (the median per stage is reported).")
+def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
+                warmup: int, json_path: str | None, steps: int,
+                **engine_kwargs) -> None:
+    """Per-stage time of one decode step with --num-prompts requests running."""
+    from engine.benchmarks.offline import run_throughput
+    from engine.benchmarks.step_profile import STAGES, profile_decode_step
+
+    try:
+        llm, load_s = _timed_llm(engine_kwargs)
+        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos)
+        if warmup:
+            run_throughput(llm, workload, warmup=0, repeats=warmup)
+        result = profile_decode_step(llm, workload, num_steps=steps).to_json()
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(exc)
+    step_ms = result["step_ms"]
+    rows = [("decode step", f"{step_ms} ms at {num_prompts} running requests, "
+                            f"context ~{result['context_len']}")]
+    for stage in (*STAGES, "unaccounted"):
+        ms = result["stage_ms"][stage]
+        rows.append((f"  {stage}", f"{ms:8.3f} ms  {100 * ms / step_ms:5.1f}%"))
+    rows.append(("schedule + prepare + sample", f"{100 * result['overhead_share']:.1f}% of the step"))
+    _emit("profile", _llm_info(llm, load_s), _settings(workload, warmup, steps), result, rows,
+          json_path)
+
+
+def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:
+    return {
+        "num_prompts": workload.num_prompts,
+        "input_len": workload.input_len,
+        "output_len": workload.output_len,
+        "ignore_eos": workload.ignore_eos,
+        "warmup": warmup,
+        "repeats": repeats,
+    }

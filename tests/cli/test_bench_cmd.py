@@ -1,0 +1,121 @@
+"""``engine bench``: every mode runs end to end on a tiny model and writes its JSON fields.
+
+Timings are not asserted (a unit test is no place to measure speed); what is checked is
+the workload (the reference prompt draw, reproduced by hand), the counts the benchmark
+derives from the engine's outputs, and the shape of the report.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from engine.benchmarks.offline import prefix_prompts
+from engine.benchmarks.workload import Workload
+from engine.cli import main
+
+SMALL = ["--kv-cache-space", "0.05", "--device", "cpu"]
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    result = CliRunner().invoke(main, ["bench", *args, *SMALL, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def _is_median_of(field: dict, n: int) -> bool:
+    runs = field["runs"]
+    return len(runs) == n and min(runs) <= field["median"] <= max(runs)
+
+
+def test_workload_draws_the_reference_prompts():
+    rng = random.Random(0)
+    expected = [[rng.randrange(10, 16000) for _ in range(3)] for _ in range(2)]
+    workload = Workload(num_prompts=2, input_len=3, output_len=5)
+    assert workload.prompt_token_ids() == expected  # row-major, one generator
+    assert workload.prompts()[1] == {"prompt_token_ids": expected[1]}
+    params = workload.sampling_params()
+    assert (params.temperature, params.max_tokens, params.ignore_eos) == (0.0, 5, True)
+
+
+@pytest.mark.parametrize("field", ["num_prompts", "input_len", "output_len"])
+def test_workload_rejects_empty_sizes(field):
+    with pytest.raises(ValueError, match=field):
+        Workload(**{field: 0})
+
+
+def test_prefix_prompts_share_exactly_the_prefix():
+    first, second = prefix_prompts(random.Random(1), input_len=40, prefix_len=32, vocab_high=50)
+    assert len(first) == len(second) == 40
+    assert first[:32] == second[:32] and first[32] != second[32]
+    with pytest.raises(ValueError, match="prefix_len"):
+        prefix_prompts(random.Random(1), input_len=40, prefix_len=40, vocab_high=50)
+
+
+def test_throughput(tmp_path, llama_dir):
+    report = _bench(
+        tmp_path, "throughput", "--model", str(llama_dir), "--num-prompts", "3",
+        "--input-len", "8", "--output-len", "4", "--warmup", "1", "--repeats", "2",
+    )
+    assert report["mode"] == "throughput"
+    assert report["settings"] == {"num_prompts": 3, "input_len": 8, "output_len": 4,
+                                  "ignore_eos": True, "warmup": 1, "repeats": 2}
+    results = report["results"]
+    assert results["output_tokens"] == 3 * 4 and results["prompt_tokens"] == 3 * 8
+    assert _is_median_of(results["output_tok_s"], 2) and _is_median_of(results["elapsed_s"], 2)
+    assert results["output_tok_s"]["median"] > 0
+    assert report["environment"]["torch_threads"] >= 1
+
+
+def test_latency(tmp_path, llama_dir):
+    report = _bench(
+        tmp_path, "latency", "--model", str(llama_dir), "--input-len", "8",
+        "--output-len", "5", "--warmup", "0", "--repeats", "2",
+    )
+    results = report["results"]
+    for name in ("ttft_ms", "decode_ms_per_token", "e2e_s"):
+        assert _is_median_of(results[name], 2), name
+        assert results[name]["median"] > 0
+
+
+def test_latency_is_one_request(tmp_path, llama_dir):
+    result = CliRunner().invoke(
+        main, ["bench", "latency", "--model", str(llama_dir), "--num-prompts", "2", *SMALL]
+    )
+    assert result.exit_code != 0 and "one request" in result.output
+
+
+def test_prefix(tmp_path, llama_dir):
+    report = _bench(
+        tmp_path, "prefix", "--model", str(llama_dir), "--input-len", "40",
+        "--prefix-len", "32", "--warmup", "0", "--repeats", "1",
+    )
+    results = report["results"]
+    assert results["num_cached_tokens"] == 32  # two full blocks of 16 reused
+    assert (results["input_len"], results["prefix_len"]) == (40, 32)
+    assert _is_median_of(results["ttft_cached_ms"], 1)
+    assert _is_median_of(results["ttft_uncached_ms"], 1)
+    expected = results["ttft_uncached_ms"]["median"] / results["ttft_cached_ms"]["median"]
+    assert results["speedup"] == pytest.approx(expected, rel=0.02)
+
+
+def test_profile(tmp_path, llama_dir):
+    from engine.benchmarks.step_profile import STAGES
+
+    report = _bench(
+        tmp_path, "profile", "--model", str(llama_dir), "--num-prompts", "4",
+        "--input-len", "8", "--steps", "2", "--warmup", "0",
+    )
+    results = report["results"]
+    assert results["num_running"] == 4
+    stages = results["stage_ms"]
+    assert set(stages) == {*STAGES, "unaccounted"}
+    assert all(ms >= 0 for ms in stages.values())
+    assert stages["linear"] > 0 and stages["attention"] > 0
+    # The stages partition the reported step (up to the rounding of each figure).
+    assert sum(stages.values()) == pytest.approx(results["step_ms"], abs=0.01)
+    assert 0 < results["overhead_share"] < 1
