@@ -88,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     input_ids = torch.tensor(workload.prompt_token_ids())
 
-    runs: dict[str, list[float]] = {"engine": [], "transformers": []}
+    runners = {
+        "engine": lambda: _engine_run(llm, workload),
+        "transformers": lambda: _transformers_run(hf, input_ids, args.output_len),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in runners}
     for i in range(args.warmup + args.repeats):
-        for name in runs:
-            if name == "engine":
-                wall, tokens = _engine_run(llm, workload)
-            else:
-                wall, tokens = _transformers_run(hf, input_ids, args.output_len)
+        for name, run in runners.items():
+            wall, tokens = run()
             if tokens != workload.expected_output_tokens:
                 raise RuntimeError(f"{name} produced {tokens} tokens, "
                                    f"expected {workload.expected_output_tokens}")
@@ -106,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     median = {name: statistics.median(values) for name, values in runs.items()}
     ratio = median["engine"] / median["transformers"]
     env = environment()
-    rows = [(name, f"{median[name]:.1f} output tok/s (runs: "
-             + ", ".join(f"{v:.1f}" for v in runs[name]) + ")") for name in runs]
+    rows = [
+        (name, f"{median[name]:.1f} output tok/s (runs: {', '.join(f'{v:.1f}' for v in values)})")
+        for name, values in runs.items()
+    ]
+    shape = f"{workload.num_prompts} x ({workload.input_len} in, {workload.output_len} out)"
     rows += [("engine / transformers", f"{ratio:.2f}x"),
-             ("workload", f"{workload.num_prompts} x ({workload.input_len} in, "
-                          f"{workload.output_len} out), bf16, {threads} threads"),
+             ("workload", f"{shape}, bf16, {threads} threads"),
              ("load avg (1 min)", str(env["load_avg_1m"]))]
     print(format_table(rows, f"engine vs transformers: {Path(args.model).name}"))
     if args.json_path:

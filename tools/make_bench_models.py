@@ -31,14 +31,14 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CORPUS_BYTES = 8 << 20  # enough text for 16000 merges, a few seconds to train
 
 MODELS: dict[str, dict[str, int]] = {
-    "llama-tiny": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2,
-    ),
-    "llama-small": dict(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=4,
-    ),
+    "llama-tiny": {
+        "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 2,
+    },
+    "llama-small": {
+        "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 4,
+    },
 }
 
 

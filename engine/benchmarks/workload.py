@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 REFERENCE_VOCAB_HIGH = 16000  # the reference models' vocabulary
+# "--structured-output json": every request constrained to a JSON array of 64 integers,
+# long enough that requests still run to the output length, so the batch stays full and
+# the throughput difference is the cost of the grammar (bitmask fill, apply, accept).
+JSON_WORKLOAD_SCHEMA = {
+    "type": "array", "items": {"type": "integer"}, "minItems": 64, "maxItems": 64,
+}
 LOWEST_TOKEN_ID = 10  # keeps clear of special tokens
 
 
@@ -25,6 +31,7 @@ class Workload:
     ignore_eos: bool = True
     seed: int = 0
     vocab_high: int = REFERENCE_VOCAB_HIGH  # exclusive upper bound of the drawn ids
+    structured_output: str | None = None  # None or "json" (JSON_WORKLOAD_SCHEMA)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
@@ -49,8 +56,16 @@ class Workload:
     def sampling_params(self):
         from engine.core.sampling_params import SamplingParams
 
+        structured = None
+        if self.structured_output == "json":
+            structured = {"json": JSON_WORKLOAD_SCHEMA, "disable_any_whitespace": True}
+        elif self.structured_output is not None:
+            raise ValueError(f"unknown structured_output {self.structured_output!r} (json)")
         return SamplingParams(
-            temperature=0.0, max_tokens=self.output_len, ignore_eos=self.ignore_eos
+            temperature=0.0,
+            max_tokens=self.output_len,
+            ignore_eos=self.ignore_eos,
+            structured_outputs=structured,
         )
 
     @property

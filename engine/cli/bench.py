@@ -13,6 +13,7 @@ greedy output tokens, EOS ignored); every engine option keeps the engine's own d
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -115,8 +116,11 @@ def _fail(exc: Exception):
 
 @bench_cmd.command("throughput")
 @_workload_options(num_prompts=64, input_len=128, output_len=128)
+@click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
+              show_default=True, help="json: constrain every request to a JSON schema.")
 def throughput_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
-                   warmup: int, repeats: int, json_path: str | None, **engine_kwargs) -> None:
+                   warmup: int, repeats: int, json_path: str | None, structured_output: str,
+                   **engine_kwargs) -> None:
     """Offline throughput: every prompt submitted at once, output tokens per second."""
     from engine.benchmarks.offline import run_throughput
     from engine.benchmarks.report import runs_text
@@ -124,11 +128,14 @@ def throughput_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos
     try:
         llm, load_s = _timed_llm(engine_kwargs)
         workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos)
+        if structured_output != "none":
+            workload = dataclasses.replace(workload, structured_output=structured_output)
         result = run_throughput(llm, workload, warmup=warmup, repeats=repeats).to_json()
     except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     _emit("throughput", _llm_info(llm, load_s), _settings(workload, warmup, repeats), result, [
         ("requests x (in, out)", f"{num_prompts} x ({input_len}, {output_len})"),
+        ("structured output", structured_output),
         ("output tokens/s", runs_text(result["output_tok_s"], "tok/s")),
         ("total tokens/s", f"{result['total_tok_s']} tok/s"),
         ("wall", runs_text(result["elapsed_s"], "s")),
@@ -216,8 +223,8 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
     except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     step_ms = result["step_ms"]
-    rows = [("decode step", f"{step_ms} ms at {num_prompts} running requests, "
-                            f"context ~{result['context_len']}")]
+    where = f"at {num_prompts} running requests, context ~{result['context_len']}"
+    rows = [("decode step", f"{step_ms} ms {where}")]
     for stage in (*STAGES, "unaccounted"):
         ms = result["stage_ms"][stage]
         rows.append((f"  {stage}", f"{ms:8.3f} ms  {100 * ms / step_ms:5.1f}%"))
