@@ -429,7 +429,7 @@ def test_non_streaming_client_disconnect_aborts(server):
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 8,
             "temperature": 1.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5),
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05),
                    headers={"Authorization": f"Bearer {API_KEY}"})
     deadline = time.monotonic() + 10
     while True:
