@@ -185,6 +185,15 @@ def _raise_shutdown(signum: int, frame: Any) -> None:
     raise _ShutdownRequested(signal.Signals(signum).name)
 
 
+def _report_death(output_socket, parent_pid: int, exc: Exception, what: str) -> int:
+    """Log ``exc``, tell the front end the core is dead (with the error), exit code 1."""
+    logger.exception("engine core %s", what)
+    send_message(
+        output_socket, wire.DEAD, wire.EngineDeadInfo(wire.describe_exception(exc)), parent_pid
+    )
+    return 1
+
+
 def run_engine_core(run_dir: Path, parent_pid: int) -> int:
     """The child's whole life; returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_shutdown)
@@ -207,14 +216,7 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
             config = EngineConfig.model_validate_json((run_dir / CONFIG_FILE).read_text())
             core = EngineCore(config)
         except Exception as exc:
-            logger.exception("engine core failed to start")
-            send_message(
-                output_socket,
-                wire.DEAD,
-                wire.EngineDeadInfo(wire.describe_exception(exc)),
-                parent_pid,
-            )
-            return 1
+            return _report_death(output_socket, parent_pid, exc, "failed to start")
         ready = wire.ReadyInfo(core.num_kv_blocks, config.scheduler.max_model_len, os.getpid())
         send_message(output_socket, wire.READY, ready, parent_pid)
         logger.info("engine core ready: %d KV blocks", core.num_kv_blocks)
@@ -222,14 +224,7 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
         try:
             proc.run()
         except Exception as exc:
-            logger.exception("engine core step loop failed")
-            send_message(
-                output_socket,
-                wire.DEAD,
-                wire.EngineDeadInfo(wire.describe_exception(exc)),
-                parent_pid,
-            )
-            return 1
+            return _report_death(output_socket, parent_pid, exc, "step loop failed")
         return 0
     except _ShutdownRequested as why:
         logger.info("engine core shutting down (%s)", why)
