@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.model_executor.models.llama import (
     DecoderOptions,
     LlamaForCausalLM,
-    config_head_size,
     layer_type_windows,
 )
 
@@ -15,11 +15,9 @@ from engine.model_executor.models.llama import (
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_options(cls, hf_config: Any) -> DecoderOptions:
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        return DecoderOptions(
-            head_size=config_head_size(hf_config),
-            qkv_bias=bias,
-            o_proj_bias=bias,
+        """Llama's switches, plus q/k norm and the per-layer sliding windows."""
+        return dataclasses.replace(
+            super().decoder_options(hf_config),
             qk_norm=True,
             sliding_windows=layer_type_windows(hf_config),
         )
