@@ -41,7 +41,10 @@ class Executor:
         block_size = config.cache.block_size
         backend_cls = platform.get_attention_backend(config.device.attention_backend)
         self.attn_backend = backend_cls(block_size, platform.device())
-        self.model = load_model(config.model.model, dtype, platform.device(), self.attn_backend)
+        self.model = load_model(
+            config.model.model, dtype, platform.device(), self.attn_backend,
+            dense_gemm_kernels=platform.dense_gemm_kernels(),
+        )
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         spec = self.model.kv_cache_spec()

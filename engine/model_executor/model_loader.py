@@ -14,12 +14,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.core.interfaces import AttentionBackend
+from engine.core.interfaces import AttentionBackend, DenseGemmKernel
+from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.registry import MODEL_REGISTRY, ModelRegistry
@@ -251,8 +253,12 @@ def load_model(
     attn_backend: AttentionBackend,
     *,
     quant_config: Any = None,
+    dense_gemm_kernels: Sequence[type[DenseGemmKernel]] = (),
 ) -> nn.Module:
-    """Build the model for ``model`` (a directory or checked files) and load its weights."""
+    """Build the model for ``model`` (a directory or checked files) and load its weights.
+
+    ``dense_gemm_kernels`` (the platform's, in preference order) then repack the
+    unquantized linear weights they accept, once, for the platform's fastest GEMM."""
     files = model if isinstance(model, ModelFiles) else load_model_files(model)
     hf_config = files.hf_config
     quant = getattr(hf_config, "quantization_config", None)
@@ -272,13 +278,15 @@ def load_model(
     with torch.no_grad():
         net = files.model_cls(hf_config, ctx)
         net.load_weights(safetensors_weights_iterator(files.weight_files))
+        packed = pack_dense_weights(net, list(dense_gemm_kernels))
     net.eval()
     net.requires_grad_(False)
     logger.info(
-        "loaded %s (%s) from %s in %s",
+        "loaded %s (%s) from %s in %s; %d linear weights repacked for the platform GEMM",
         files.architecture,
         files.model_cls.__name__,
         files.path,
         _dtype_name(dtype),
+        packed,
     )
     return net

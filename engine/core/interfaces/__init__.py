@@ -11,6 +11,7 @@ from engine.core.interfaces.attention import (
     AttentionLayerSpec,
 )
 from engine.core.interfaces.communicator import Communicator
+from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.platform import Platform, ProbeResult
 from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
 
@@ -24,6 +25,8 @@ __all__ = [
     "AttentionImpl",
     "AttentionLayerSpec",
     "Communicator",
+    "DenseGemmKernel",
+    "DenseLayerSpec",
     "Platform",
     "ProbeResult",
     "QuantMethod",

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from engine.core.interfaces.attention import AttentionBackend
     from engine.core.interfaces.communicator import Communicator
+    from engine.core.interfaces.gemm import DenseGemmKernel
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
@@ -134,6 +135,10 @@ class Platform(ABC):
 
     def quantized_gemm_kernels(self) -> list[type["QuantizedGemmKernel"]]:
         """Quantized-GEMM kernels in preference order (empty: no quantization)."""
+        return []
+
+    def dense_gemm_kernels(self) -> list[type["DenseGemmKernel"]]:
+        """Kernels for unquantized linears in preference order (empty: ``F.linear``)."""
         return []
 
     def check_and_update_config(self, config: Any) -> None:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_executor.layers.linear import default_weight_loader
+from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec
+from engine.model_executor.layers.linear import default_weight_loader, dense_linear, dense_spec
 
 
 class VocabEmbedding(nn.Module):
@@ -38,6 +39,8 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """``hidden [N, hidden] -> logits [N, vocab]`` in float32 (what samplers want)."""
+
+    gemm_kernel: DenseGemmKernel | None = None  # set by pack_dense_weights
 
     def __init__(
         self,
@@ -74,4 +77,10 @@ class LMHead(nn.Module):
         self.tied = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias).float()
+        return dense_linear(self, hidden, self.bias).float()
+
+    def dense_weight_spec(self) -> DenseLayerSpec | None:
+        """Packable unless tied: the embedding lookup needs the plain matrix."""
+        if self.tied or self.gemm_kernel:
+            return None
+        return dense_spec(self.weight)

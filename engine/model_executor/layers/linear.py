@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec
+
 
 class LinearMethod(Protocol):
     """What a layer asks of its linear method (QuantMethod satisfies this)."""
@@ -35,7 +37,10 @@ class LinearMethod(Protocol):
 
 
 class UnquantizedLinearMethod:
-    """Dense ``[out, in]`` weight in the model dtype; ``y = x W^T + b``."""
+    """Dense ``[out, in]`` weight in the model dtype; ``y = x W^T + b``.
+
+    The GEMM is the platform's dense kernel once :func:`pack_dense_weights` gave the
+    layer one (its weight then lives in that kernel's layout), else ``F.linear``."""
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
@@ -46,7 +51,46 @@ class UnquantizedLinearMethod:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        return dense_linear(layer, x, bias)
+
+
+def dense_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for a layer holding a dense ``weight`` (packed or not)."""
+    kernel = layer.gemm_kernel
+    if kernel is None:
         return F.linear(x, layer.weight, bias)
+    return kernel.apply(layer.weight, x, bias)
+
+
+def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -> int:
+    """Offer every dense weight of ``model`` to the platform's kernels, in order; the
+    first that accepts a layer repacks its weight. Returns how many layers were packed.
+
+    A layer opts in by defining ``dense_weight_spec()`` (None: not packable, e.g. an LM
+    head sharing the embedding's weight) and a ``gemm_kernel`` attribute."""
+    if not kernels:
+        return 0
+    packed = 0
+    chosen: dict[type[DenseGemmKernel], DenseGemmKernel] = {}
+    for module in model.modules():
+        spec_of = getattr(module, "dense_weight_spec", None)
+        spec = spec_of() if spec_of is not None else None
+        if spec is None:
+            continue
+        for kernel_cls in kernels:
+            if kernel_cls.can_implement(spec) is None:
+                kernel = chosen.setdefault(kernel_cls, kernel_cls())
+                weight = kernel.prepare(module.weight)
+                module.weight = nn.Parameter(weight, requires_grad=False)
+                module.gemm_kernel = kernel
+                packed += 1
+                break
+    return packed
+
+
+def dense_spec(weight: torch.Tensor) -> DenseLayerSpec:
+    out_features, in_features = weight.shape
+    return DenseLayerSpec(in_features, out_features, weight.dtype, weight.device)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -69,6 +113,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
 
 class LinearBase(nn.Module):
     """``y = x W^T (+ b)`` with the GEMM delegated to ``quant_method``."""
+
+    gemm_kernel: DenseGemmKernel | None = None  # set by pack_dense_weights
 
     def __init__(
         self,
@@ -101,6 +147,12 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def dense_weight_spec(self) -> DenseLayerSpec | None:
+        """Packable when unquantized and not packed yet."""
+        if type(self.quant_method) is not UnquantizedLinearMethod or self.gemm_kernel:
+            return None
+        return dense_spec(self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

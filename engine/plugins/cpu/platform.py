@@ -16,7 +16,7 @@ from engine.core.interfaces import Platform, ProbeResult
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.interfaces import AttentionBackend, Communicator
+    from engine.core.interfaces import AttentionBackend, Communicator, DenseGemmKernel
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,11 @@ class CPUPlatform(Platform):
             else:
                 backends.append(TritonAttentionBackend)
         return backends
+
+    def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
+        from engine.plugins.cpu.gemm import OneDNNPackedGemm
+
+        return [OneDNNPackedGemm]
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import GlooCommunicator
