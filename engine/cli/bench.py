@@ -6,6 +6,7 @@ Subcommands (a click group, so serving benchmarks join as further subcommands):
 * ``latency``     one request: time to first token and ms per output token
 * ``prefix``      time to first token with a shared prompt prefix, caching on vs off
 * ``profile``     where one decode step's time goes, stage by stage
+* ``serve``       a running OpenAI-compatible server under load: TTFT, TPOT, ITL, E2E
 
 Defaults reproduce the reference workload (64 prompts of 128 random token ids, 128
 greedy output tokens, EOS ignored); every engine option keeps the engine's own default.
@@ -242,3 +243,104 @@ def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:
         "warmup": warmup,
         "repeats": repeats,
     }
+
+
+@bench_cmd.command("serve")
+@click.option("--base-url", required=True,
+              help="The OpenAI-compatible server, e.g. http://127.0.0.1:8000.")
+@click.option("--model", default=None,
+              help="Served model name  [default: the first one GET /v1/models lists]")
+@click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions",
+              show_default=True, help="completions sends token ids; chat sends text.")
+@click.option("--num-prompts", type=int, default=64, show_default=True)
+@click.option("--input-len", type=int, default=128, show_default=True,
+              help="Prompt length in token ids.")
+@click.option("--output-len", type=int, default=128, show_default=True,
+              help="Output tokens per request (max_tokens).")
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True)
+@click.option("--request-rate", default="inf", show_default=True,
+              help="Requests/s with Poisson arrivals (inf: all at once); a comma list sweeps.")
+@click.option("--max-concurrency", default=None,
+              help="Most requests in flight; a comma list sweeps  [default: no cap]")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the prompt draw and the arrival times.")
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Local model/tokenizer dir: sets the id bound and decodes chat prompts.")
+@click.option("--vocab-high", type=int, default=None,
+              help="Exclusive bound of the prompt ids  [default: from --tokenizer, else 1000, "
+                   "below every real vocabulary size]")
+@click.option("--api-key", envvar=["ENGINE_API_KEY", "OPENAI_API_KEY"], default=None,
+              help="Bearer key  [default: $ENGINE_API_KEY or $OPENAI_API_KEY]")
+@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+              help="Seconds one request may take before it counts as failed.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every sweep point to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of throughput and latency over the sweep (needs matplotlib).")
+def serve_cmd(base_url: str, model: str | None, endpoint: str, num_prompts: int,
+              input_len: int, output_len: int, ignore_eos: bool, request_rate: str,
+              max_concurrency: str | None, seed: int, tokenizer: str | None,
+              vocab_high: int | None, api_key: str | None, timeout_s: float,
+              json_path: str | None, plot_path: str | None) -> None:
+    """Serving benchmark: stream requests to a running server, TTFT / TPOT / ITL / E2E.
+
+    Each request rate x max concurrency pair is one sweep point, run in turn against the
+    same server. Failed requests are counted and their first errors kept; the exit status
+    is 0 unless every request of the run failed (then 1, after the JSON is written).
+    """
+    from engine.benchmarks.report import environment, format_table, write_json
+    from engine.benchmarks.serve import (
+        ServerError,
+        ServeSettings,
+        parse_concurrencies,
+        parse_rates,
+        point_rows,
+        run_serve_benchmark,
+        serve_report,
+    )
+    from engine.benchmarks.serve_prompts import DEFAULT_VOCAB_HIGH, PromptSpec, load_vocab_high
+
+    try:
+        rates = parse_rates(request_rate)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--request-rate") from exc
+    try:
+        caps = parse_concurrencies(max_concurrency)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-concurrency") from exc
+    if plot_path:
+        from engine.benchmarks.serve_plot import plot_sweep, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            _fail(exc)
+    try:
+        if vocab_high is None:
+            vocab_high = load_vocab_high(tokenizer) if tokenizer else DEFAULT_VOCAB_HIGH
+        spec = PromptSpec(endpoint=endpoint, num_prompts=num_prompts, input_len=input_len,
+                          output_len=output_len, ignore_eos=ignore_eos, seed=seed,
+                          vocab_high=vocab_high)
+        spec.workload()  # validates the sizes before the server is contacted
+        settings = ServeSettings(base_url=base_url, spec=spec, rates=tuple(rates),
+                                 concurrencies=tuple(caps), model=model, api_key=api_key,
+                                 tokenizer=tokenizer, timeout_s=timeout_s)
+    except ValueError as exc:
+        _fail(exc)
+
+    def show(served_model: str, point) -> None:
+        title = f"engine bench serve: {served_model} ({endpoint}), {point.point.label()}"
+        click.echo(format_table(point_rows(point), title) + "\n")
+
+    try:
+        result = run_serve_benchmark(settings, on_point=show)
+    except (ServerError, ValueError) as exc:
+        _fail(exc)
+    if json_path:
+        write_json(json_path, serve_report(settings, result, environment()))
+    if plot_path:
+        plot_sweep(result.points, plot_path, f"engine bench serve: {result.model} ({endpoint}, "
+                   f"{num_prompts} x ({input_len}, {output_len}))")
+    if result.all_failed:
+        first = next((e for p in result.points for e in p.metrics["errors"]), "no error text")
+        raise click.ClickException(f"every request failed; the first error: {first}")
