@@ -15,7 +15,9 @@ Per layer, :meth:`CPUAttentionImpl.forward`:
 1. writes every new K/V row of the step into the cache in one indexed store (rows whose
    slot is -1 are skipped) -- before any attention, so a request may read blocks that
    another request of the same batch filled this step (prefix caching relies on it);
-2. attends for all single-token requests ("decodes") at once: their blocks are gathered
+2. attends for all single-token requests ("decodes") at once, through the C kernel of
+   :mod:`engine.plugins.cpu.native` when it could be built and serves the layer (it
+   reads the blocks in place); otherwise with torch ops: their blocks are gathered
    into a padded ``[R, kv_heads, keys, D]`` tensor and one masked SDPA runs with the
    queries grouped as ``[R, kv_heads, group, D]`` (GQA without repeating K/V);
 3. attends for each multi-token request (a prefill chunk, possibly after cached
@@ -46,6 +48,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
+from engine.plugins.cpu.native import CPUKernels, load_kernels
 
 
 @dataclass
@@ -179,9 +182,11 @@ def _attend(
 
 
 class CPUAttentionImpl(AttentionImpl):
-    def __init__(self, spec: AttentionLayerSpec) -> None:
+    def __init__(self, spec: AttentionLayerSpec, kernels: CPUKernels | None = None) -> None:
         super().__init__(spec)
         self.group = spec.num_heads // spec.num_kv_heads
+        # The C decode kernel when it can serve this layer, else the torch-op path.
+        self.kernels = kernels if kernels and kernels.supports(spec) else None
 
     def forward(
         self,
@@ -235,6 +240,11 @@ class CPUAttentionImpl(AttentionImpl):
         md: CPUAttentionMetadata,
     ) -> torch.Tensor:
         spec = self.spec
+        if self.kernels is not None and query.dtype == key_cache.dtype:
+            return self.kernels.paged_decode_attention(
+                query, key_cache, value_cache, md.decode_block_tables, md.decode_seq_lens,
+                spec.scale, spec.sliding_window, spec.logits_soft_cap,
+            )
         plan = md.decode_plan(spec.sliding_window)
         keys = self._gather(key_cache, plan)  # [Rd, Hkv, L, D]
         values = self._gather(value_cache, plan)
@@ -292,7 +302,7 @@ class CPUAttentionBackend(AttentionBackend):
                 f"num_heads ({spec.num_heads}) must be a multiple of "
                 f"num_kv_heads ({spec.num_kv_heads})"
             )
-        return CPUAttentionImpl(spec)
+        return CPUAttentionImpl(spec, load_kernels())
 
     def build_metadata(self, batch: AttentionBatch) -> CPUAttentionMetadata:
         bs = self.block_size

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from engine.core.interfaces import AttentionBatch, AttentionLayerSpec
+from engine.plugins.cpu import attention as cpu_attention
 from engine.plugins.cpu.attention import CPUAttentionBackend
+from engine.plugins.cpu.native import CPUKernels, load_kernels
 
 CPU = torch.device("cpu")
 
@@ -128,10 +130,23 @@ def reference(
     return torch.cat(outs)
 
 
+@pytest.fixture(autouse=True, params=["c_kernel", "torch_ops"])
+def decode_path(request, monkeypatch) -> str:
+    """Every test runs twice: decodes through the C kernel (where it serves the layer)
+    and through the torch-op path the plugin falls back to without a compiler."""
+    if request.param == "torch_ops":
+        monkeypatch.setattr(cpu_attention, "load_kernels", lambda: None)
+    elif load_kernels() is None:
+        pytest.skip("the C kernels could not be built here")
+    return request.param
+
+
 def run_backend(case: Case, spec: AttentionLayerSpec, block_size: int) -> torch.Tensor:
     backend = CPUAttentionBackend(block_size=block_size, device=CPU)
     assert backend.validate(spec, block_size) is None
     impl = backend.make_impl(spec)
+    uses_c = cpu_attention.load_kernels() is not None and CPUKernels.supports(spec)
+    assert (impl.kernels is not None) == uses_c
     metadata = backend.build_metadata(case.batch)
     return impl.forward(case.query, case.key, case.value, case.kv_cache, metadata)
 
@@ -158,6 +173,27 @@ def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_size, block
     ref = reference(case, MIXED, num_heads, scale, None)
     assert out.shape == ref.shape and out.dtype == dtype
     atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [
+        (3, 1, 64, 16),  # a group of 3: query heads padded to the kernel's 4
+        (10, 2, 128, 32),  # group 5: one full and one padded register block
+        (16, 2, 256, 1),  # big heads, one-token blocks
+        (8, 8, 48, 5),  # MHA, blocks that cut the kernel's 16-key slices
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_shapes_match_reference(num_heads, num_kv_heads, head_size, block_size, dtype):
+    requests = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 70), (1, 3)]
+    case = make_case(requests, num_heads, num_kv_heads, head_size, block_size, dtype, seed=7)
+    scale = head_size**-0.5
+    spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, scale)
+    out = run_backend(case, spec, block_size)
+    ref = reference(case, requests, num_heads, scale, None)
+    atol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 

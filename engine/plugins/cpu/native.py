@@ -1,0 +1,183 @@
+"""The CPU plugin's C kernels: compiled on first use, cached, loaded with ctypes.
+
+The source ships with the package (``csrc/``). It includes no torch headers, so the
+C compiler (``$CC``, else ``cc``) builds it in well under a second, for this CPU
+(``-march=native``); the library is cached under ``$ENGINE_CACHE_DIR`` (default
+``~/.cache/engine``) keyed by the source, the flags and the CPU's feature flags, so
+later processes only load it. The parallel loop runs on torch's OpenMP runtime: the
+library links ``libgomp.so.1``, which the loader resolves to the copy torch already
+loaded, so torch's thread count applies and no second thread pool competes.
+
+Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) :func:`load_kernels`
+returns None and callers keep their torch-op paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("paged_decode_attention.c",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast")
+LIBS = ("-lm",)
+MAX_HEAD_SIZE = 512  # the C code's bounds
+MAX_GROUP = 64
+MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LOCK = threading.Lock()
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class CPUKernels:
+    """Typed entry points of the compiled library."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        fn = lib.paged_decode_attention
+        fn.restype = _i32
+        fn.argtypes = [
+            _ptr, _i64, _i64,  # q, q_req_stride, q_head_stride
+            _ptr, _ptr,  # k_cache, v_cache
+            _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
+            _ptr, _i32, _i32, _i32, _i32,  # out, num_reqs, num_heads, num_kv_heads, head_size
+            _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
+        ]
+        self._decode = fn
+
+    @staticmethod
+    def supports(spec) -> bool:
+        """Whether :meth:`paged_decode_attention` runs a layer of ``spec``
+        (an AttentionLayerSpec); the C code checks the same bounds."""
+        group = spec.num_heads // spec.num_kv_heads
+        padded_group = -(-group // 4) * 4
+        return (
+            0 < spec.head_size <= MAX_HEAD_SIZE
+            and spec.head_size % 16 == 0
+            and group <= MAX_GROUP
+            and padded_group * spec.head_size <= MAX_GROUP_ELEMS
+        )
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,  # [R, H, D], last dim contiguous
+        key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # int64 [R, M], last dim contiguous
+        seq_lens: torch.Tensor,  # int64 [R], contiguous
+        scale: float,
+        window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype."""
+        num_reqs, num_heads, head_size = query.shape
+        _, num_kv_heads, block_size, cache_head_size = key_cache.shape
+        dtype = key_cache.dtype
+        if query.dtype != dtype or value_cache.dtype != dtype or dtype not in DTYPE_CODES:
+            raise ValueError(f"query {query.dtype} / cache {dtype}: one supported dtype needed")
+        if cache_head_size != head_size or query.stride(2) != 1:
+            raise ValueError("query and cache head sizes differ, or query rows are strided")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("the KV cache must be contiguous")
+        if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+            raise ValueError("block tables and sequence lengths must be int64")
+        if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
+            raise ValueError("block table rows and sequence lengths must be contiguous")
+        out = torch.empty((num_reqs, num_heads, head_size), dtype=dtype)
+        status = self._decode(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_size,
+            block_size, DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0,
+        )
+        if status != 0:
+            raise ValueError(
+                f"paged_decode_attention refused heads {num_heads}/{num_kv_heads} of size "
+                f"{head_size} (block size {block_size})"
+            )
+        return out
+
+
+def _source_dir() -> Path:
+    return Path(__file__).with_name("csrc")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine"
+    return Path(root) / "cpu_kernels"
+
+
+def _library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((_source_dir() / name).read_bytes())
+    digest.update(" ".join((compiler, *CFLAGS, *LIBS)).encode())
+    digest.update(_cpu_flags().encode())
+    return _cache_dir() / f"engine_cpu_kernels_{digest.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Build into a temporary file, then rename: concurrent builders never see half a
+    library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *CFLAGS, *(str(_source_dir() / s) for s in SOURCES), "-o", tmp, *LIBS]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get("ENGINE_CPU_NATIVE_KERNELS", "1").strip().lower() not in (
+        "0", "false", "no", "off",
+    )
+
+
+@cache
+def load_kernels() -> CPUKernels | None:
+    """The compiled kernels, building them on first use; None when they cannot be had."""
+    if not native_kernels_enabled():
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        logger.warning("no C compiler (%s): the CPU plugin uses its torch-op kernels", compiler)
+        return None
+    try:
+        path = _library_path(compiler)
+        with _LOCK:
+            if not path.exists():
+                _compile(compiler, path)
+            return CPUKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)
+        return None

@@ -1,0 +1,93 @@
+"""Building, caching and calling the CPU plugin's C kernels (engine.plugins.cpu.native)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.interfaces import AttentionLayerSpec
+from engine.plugins.cpu import native
+
+build = native.load_kernels.__wrapped__  # uncached: each call decides afresh
+
+
+@pytest.fixture
+def kernels():
+    loaded = native.load_kernels()
+    if loaded is None:
+        pytest.skip("no C compiler here")
+    return loaded
+
+
+def test_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch, kernels):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    first = build()
+    assert first is not None and first.path.parent == tmp_path / "cpu_kernels"
+    built_at = first.path.stat().st_mtime_ns
+    second = build()
+    assert second.path == first.path and second.path.stat().st_mtime_ns == built_at
+    assert [p.suffix for p in first.path.parent.iterdir()] == [".so"]  # no temp files left
+
+
+def test_disabled_or_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ENGINE_CPU_NATIVE_KERNELS", "0")
+    assert build() is None
+    monkeypatch.delenv("ENGINE_CPU_NATIVE_KERNELS")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert build() is None
+    assert "no C compiler" in caplog.text
+
+
+def test_a_failing_compile_is_reported_not_raised(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-fno-such-flag"))
+    assert build() is None
+    assert "unavailable" in caplog.text and "-fno-such-flag" in caplog.text
+    assert not list((tmp_path / "cpu_kernels").iterdir())
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,ok",
+    [(32, 8, 128, True), (8, 2, 24, False), (128, 1, 64, False), (64, 2, 512, False),
+     (16, 2, 512, True)],
+)
+def test_supports_matches_the_c_bounds(num_heads, num_kv_heads, head_size, ok):
+    spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, 1.0)
+    assert native.CPUKernels.supports(spec) is ok
+
+
+def _cache(num_blocks, kv_heads, block_size, head_size, dtype, gen):
+    return torch.randn(num_blocks, kv_heads, block_size, head_size, generator=gen).to(dtype)
+
+
+def test_strided_query_rows_match_a_float64_reference(kernels):
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (_cache(6, 2, 16, 32, torch.float32, gen) for _ in range(2))
+    # Query heads as a column slice of a fused qkv row: row stride 7 * 32, not 4 * 32.
+    qkv = torch.randn(3, 7 * 32, generator=gen)
+    query = qkv[:, : 4 * 32].view(3, 4, 32)
+    tables = torch.tensor([[5, 0], [2, 3], [1, 4]])
+    seq_lens = torch.tensor([20, 32, 1])
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.3)
+    for r in range(3):
+        keys = k_cache[tables[r]].permute(1, 0, 2, 3).reshape(2, 32, 32)[:, : seq_lens[r]]
+        vals = v_cache[tables[r]].permute(1, 0, 2, 3).reshape(2, 32, 32)[:, : seq_lens[r]]
+        q = query[r].double().view(2, 2, 32)  # [kv_head, group, D]
+        probs = (q @ keys.double().transpose(1, 2) * 0.3).softmax(-1)
+        ref = (probs @ vals.double()).reshape(4, 32)
+        torch.testing.assert_close(out[r].double(), ref, atol=1e-5, rtol=0)
+
+
+def test_bad_arguments_are_refused(kernels):
+    gen = torch.Generator().manual_seed(0)
+    k_cache = _cache(2, 1, 4, 16, torch.float32, gen)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    query = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.paged_decode_attention(query.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_decode_attention(query, k_cache, k_cache, tables.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="refused"):  # head size 24: not a multiple of 16
+        cache24 = _cache(2, 1, 4, 24, torch.float32, gen)
+        kernels.paged_decode_attention(torch.randn(1, 2, 24), cache24, cache24, tables, lens, 1.0)
