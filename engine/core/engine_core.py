@@ -7,6 +7,7 @@ over ZeroMQ (the server); either way they exchange only ``engine_io`` messages.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -44,6 +45,11 @@ class EngineCore:
         self.scheduler.register_ready_check(
             RequestStatus.WAITING_FOR_GRAMMAR, self.structured_output_manager.is_ready
         )
+        # Everything built so far lives as long as the engine: move it out of the
+        # collector's generations, so the step loop's collections scan only new objects
+        # (unfrozen, a full collection re-walked the model and tokenizer mid-step).
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request(

@@ -2,13 +2,16 @@
 
 Cache layout (one tensor per layer)::
 
-    kv_cache[0 | 1, block, kv_head, offset_in_block, head_size]   # 0 = K, 1 = V
+    kv_cache[0 | 1, block, kv_head, block_size * head_size]   # 0 = K, 1 = V
+    V row: [block_size, head_size]
+    K row: [head_size, block_size] for layers the C decode kernel runs (transposed: one
+           dimension of consecutive keys is contiguous), else like V
 
-Heads before offsets ("HND"): viewed as rows of ``block_size * head_size`` values,
-row ``block * kv_heads + head`` holds one head's slice of one block, so one
-``index_select`` over precomputed row ids yields ``[kv_heads, blocks, block_size,
-head_size]`` whose reshape to ``[kv_heads, keys, head_size]`` is free: the history is
-copied exactly once per layer per step, already in the layout the matmul wants. Slot ``s`` is ``(block = s // block_size, offset = s % block_size)``.
+Each (block, kv head) is one row, so one ``index_select`` over precomputed row ids
+gathers a request's history for the torch ops (transposed K then needs one more copy,
+in prefills only); the C decode kernel reads the rows in place, and the transposed K
+rows let it score 16 keys per vector instruction. Slot ``s`` is ``(block = s //
+block_size, offset = s % block_size)``.
 
 Per layer, :meth:`CPUAttentionImpl.forward`:
 
@@ -187,6 +190,7 @@ class CPUAttentionImpl(AttentionImpl):
         self.group = spec.num_heads // spec.num_kv_heads
         # The C decode kernel when it can serve this layer, else the torch-op path.
         self.kernels = kernels if kernels and kernels.supports(spec) else None
+        self.keys_transposed = self.kernels is not None  # the K layout the kernel reads
 
     def forward(
         self,
@@ -196,7 +200,13 @@ class CPUAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_blocks, kv_heads = kv_cache.shape[1:3]
+        bs, head_size = metadata.block_size, self.spec.head_size
+        value_cache = kv_cache[1].view(num_blocks, kv_heads, bs, head_size)
+        if self.keys_transposed:
+            key_cache = kv_cache[0].view(num_blocks, kv_heads, head_size, bs)
+        else:
+            key_cache = kv_cache[0].view(num_blocks, kv_heads, bs, head_size)
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
         if metadata.decode_rows is None and num_decodes == query.shape[0]:
@@ -212,8 +222,8 @@ class CPUAttentionImpl(AttentionImpl):
             )
         return out
 
-    @staticmethod
     def _write(
+        self,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         key: torch.Tensor,
@@ -222,15 +232,28 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> None:
         if md.write_rows is not None:
             key, value = key[md.write_rows], value[md.write_rows]
-        key_cache[md.write_block, :, md.write_offset] = key.to(key_cache.dtype)
+        if self.keys_transposed:  # K rows are [head_size, block_size]: a token is a column
+            key_cache[md.write_block, :, :, md.write_offset] = key.to(key_cache.dtype)
+        else:
+            key_cache[md.write_block, :, md.write_offset] = key.to(key_cache.dtype)
         value_cache[md.write_block, :, md.write_offset] = value.to(value_cache.dtype)
 
-    def _gather(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
-        """The plan's blocks as ``[..., kv_heads, nb * block_size, D]`` (one copy)."""
+    def _gather_values(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
+        """The plan's value blocks as ``[..., kv_heads, nb * block_size, D]`` (one copy)."""
         num_blocks, kv_heads, block_size, head_size = cache.shape
         flat = cache.view(num_blocks * kv_heads, block_size * head_size)
         gathered = flat.index_select(0, plan.rows(kv_heads))
         return gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, head_size)
+
+    def _gather_keys(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
+        """The plan's key blocks, untransposed, as ``[..., kv_heads, nb * block_size, D]``."""
+        if not self.keys_transposed:
+            return self._gather_values(cache, plan)
+        num_blocks, kv_heads, head_size, block_size = cache.shape
+        flat = cache.view(num_blocks * kv_heads, head_size * block_size)
+        gathered = flat.index_select(0, plan.rows(kv_heads))
+        blocks = gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, head_size, block_size)
+        return blocks.transpose(-1, -2).reshape(*blocks.shape[:-3], -1, head_size)
 
     def _decode(
         self,
@@ -246,8 +269,8 @@ class CPUAttentionImpl(AttentionImpl):
                 spec.scale, spec.sliding_window, spec.logits_soft_cap,
             )
         plan = md.decode_plan(spec.sliding_window)
-        keys = self._gather(key_cache, plan)  # [Rd, Hkv, L, D]
-        values = self._gather(value_cache, plan)
+        keys = self._gather_keys(key_cache, plan)  # [Rd, Hkv, L, D]
+        values = self._gather_values(value_cache, plan)
         q = query.view(-1, spec.num_kv_heads, self.group, spec.head_size)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.reshape(-1, spec.num_heads, spec.head_size)
@@ -264,8 +287,8 @@ class CPUAttentionImpl(AttentionImpl):
         # [Hkv, group, L, D] as a stride-0 view: no copy, and unlike a broadcast batch
         # dim it keeps SDPA on its fused kernel instead of the score-materializing one.
         shape = (spec.num_kv_heads, self.group, -1, spec.head_size)
-        keys = self._gather(key_cache, plan).unsqueeze(1).expand(shape)
-        values = self._gather(value_cache, plan).unsqueeze(1).expand(shape)
+        keys = self._gather_keys(key_cache, plan).unsqueeze(1).expand(shape)
+        values = self._gather_values(value_cache, plan).unsqueeze(1).expand(shape)
         q = query.view(q_len, spec.num_kv_heads, self.group, spec.head_size).permute(1, 2, 0, 3)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_size)
@@ -280,7 +303,7 @@ class CPUAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
+        return (2, num_blocks, num_kv_heads, block_size * head_size)
 
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int

@@ -73,8 +73,8 @@ class CPUKernels:
     def paged_decode_attention(
         self,
         query: torch.Tensor,  # [R, H, D], last dim contiguous
-        key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous
-        value_cache: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, Hkv, D, block_size] (transposed), contiguous
+        value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous
         block_tables: torch.Tensor,  # int64 [R, M], last dim contiguous
         seq_lens: torch.Tensor,  # int64 [R], contiguous
         scale: float,
@@ -83,12 +83,19 @@ class CPUKernels:
     ) -> torch.Tensor:
         """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype."""
         num_reqs, num_heads, head_size = query.shape
-        _, num_kv_heads, block_size, cache_head_size = key_cache.shape
+        num_blocks, num_kv_heads, block_size, _ = value_cache.shape
         dtype = key_cache.dtype
         if query.dtype != dtype or value_cache.dtype != dtype or dtype not in DTYPE_CODES:
             raise ValueError(f"query {query.dtype} / cache {dtype}: one supported dtype needed")
-        if cache_head_size != head_size or query.stride(2) != 1:
-            raise ValueError("query and cache head sizes differ, or query rows are strided")
+        if tuple(value_cache.shape) != (num_blocks, num_kv_heads, block_size, head_size) or (
+            tuple(key_cache.shape) != (num_blocks, num_kv_heads, head_size, block_size)
+        ):
+            raise ValueError(
+                f"caches K {tuple(key_cache.shape)} / V {tuple(value_cache.shape)} do not "
+                f"hold [blocks, kv_heads, D, block] / [blocks, kv_heads, block, D] of D={head_size}"
+            )
+        if query.stride(2) != 1:
+            raise ValueError("query rows must be contiguous in the head dimension")
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("the KV cache must be contiguous")
         if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:

@@ -23,6 +23,25 @@ from engine.plugins.cpu.native import CPUKernels, load_kernels
 CPU = torch.device("cpu")
 
 
+def keys_transposed(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the backend stores this layer's K rows transposed (C kernel layers)."""
+    spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, 1.0)
+    return cpu_attention.load_kernels() is not None and CPUKernels.supports(spec)
+
+
+def cache_views(kv_cache: torch.Tensor, block_size: int, head_size: int, transposed: bool):
+    """The documented layout as ``(keys, values)`` views indexed ``[block, kv_head,
+    offset, head_size]``: V rows are ``[block_size, head_size]``, K rows the same or,
+    for C kernel layers, transposed (the view then transposes back)."""
+    num_blocks, kv_heads = kv_cache.shape[1:3]
+    values = kv_cache[1].view(num_blocks, kv_heads, block_size, head_size)
+    if transposed:  # a [block, kv_head, offset, D] view of the transposed rows
+        keys = kv_cache[0].view(num_blocks, kv_heads, head_size, block_size).transpose(2, 3)
+    else:
+        keys = kv_cache[0].view(num_blocks, kv_heads, block_size, head_size)
+    return keys, values
+
+
 @dataclass
 class Case:
     batch: AttentionBatch
@@ -69,8 +88,10 @@ def make_case(
         v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         ctx = seq_len - q_len
         blk, off = slots[:ctx] // block_size, slots[:ctx] % block_size
-        kv_cache[0][blk, :, off] = k[:ctx]
-        kv_cache[1][blk, :, off] = v[:ctx]
+        transposed = keys_transposed(num_heads, num_kv_heads, head_size)
+        key_cache, value_cache = cache_views(kv_cache, block_size, head_size, transposed)
+        key_cache[blk, :, off] = k[:ctx]
+        value_cache[blk, :, off] = v[:ctx]
         queries.append(torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype))
         keys.append(k[ctx:])
         values.append(v[ctx:])
@@ -231,8 +252,9 @@ def test_new_rows_are_written_to_their_slots():
     run_backend(case, AttentionLayerSpec(4, 16, 2, 0.25), 8)
     for (q_len, seq_len), k, v, slots in zip(MIXED, case.hist_k, case.hist_v, case.slots):
         blk, off = slots // 8, slots % 8
-        torch.testing.assert_close(case.kv_cache[0][blk, :, off], k, atol=0, rtol=0)
-        torch.testing.assert_close(case.kv_cache[1][blk, :, off], v, atol=0, rtol=0)
+        key_cache, value_cache = cache_views(case.kv_cache, 8, 16, keys_transposed(4, 2, 16))
+        torch.testing.assert_close(key_cache[blk, :, off], k, atol=0, rtol=0)
+        torch.testing.assert_close(value_cache[blk, :, off], v, atol=0, rtol=0)
 
 
 def test_skipped_slots_are_not_written():
@@ -243,7 +265,8 @@ def test_skipped_slots_are_not_written():
     out = run_backend(case, spec, 4)
     skipped_slot = case.slots[2][-1]  # the last request's only new token (row 5)
     blk, off = skipped_slot // 4, skipped_slot % 4
-    torch.testing.assert_close(case.kv_cache[:, blk, :, off], before[:, blk, :, off])
+    for now, then in zip(case.kv_cache, before):  # K, V planes
+        torch.testing.assert_close(now[blk], then[blk])  # the whole block is untouched
     # Every other request is unaffected and exact.
     ref = reference(case, requests, 2, 8**-0.5, None)
     torch.testing.assert_close(out[:5].double(), ref[:5], atol=1e-5, rtol=0)
@@ -301,4 +324,4 @@ def test_bad_batches_are_rejected():
 
 
 def test_cache_shape():
-    assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 2, 16, 64)
+    assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 2, 16 * 64)

@@ -24,7 +24,7 @@ def test_caches_are_zero_and_independent(dtype):
     for cache in caches:
         assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
         assert torch.equal(cache, torch.zeros(shape, dtype=dtype))
-    caches[1][0, 2, 1, 3, 4] = 7.0
+    caches[1][0, 2, 1, 3 * 8 + 4] = 7.0
     assert float(caches[1].sum()) == 7.0
     assert float(caches[0].abs().sum()) == 0.0 and float(caches[2].abs().sum()) == 0.0
 

@@ -58,7 +58,13 @@ def test_supports_matches_the_c_bounds(num_heads, num_kv_heads, head_size, ok):
 
 
 def _cache(num_blocks, kv_heads, block_size, head_size, dtype, gen):
+    """``[blocks, kv_heads, block_size, head_size]`` values (V's layout; K is its transpose)."""
     return torch.randn(num_blocks, kv_heads, block_size, head_size, generator=gen).to(dtype)
+
+
+def _keys(cache: torch.Tensor) -> torch.Tensor:
+    """The K layout the kernel reads: each block's rows transposed."""
+    return cache.transpose(-1, -2).contiguous()
 
 
 def test_strided_query_rows_match_a_float64_reference(kernels):
@@ -69,7 +75,7 @@ def test_strided_query_rows_match_a_float64_reference(kernels):
     query = qkv[:, : 4 * 32].view(3, 4, 32)
     tables = torch.tensor([[5, 0], [2, 3], [1, 4]])
     seq_lens = torch.tensor([20, 32, 1])
-    out = kernels.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.3)
+    out = kernels.paged_decode_attention(query, _keys(k_cache), v_cache, tables, seq_lens, 0.3)
     for r in range(3):
         keys = k_cache[tables[r]].permute(1, 0, 2, 3).reshape(2, 32, 32)[:, : seq_lens[r]]
         vals = v_cache[tables[r]].permute(1, 0, 2, 3).reshape(2, 32, 32)[:, : seq_lens[r]]
@@ -85,9 +91,12 @@ def test_bad_arguments_are_refused(kernels):
     tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     query = torch.randn(1, 2, 16)
     with pytest.raises(ValueError, match="dtype"):
-        kernels.paged_decode_attention(query.bfloat16(), k_cache, k_cache, tables, lens, 1.0)
+        kernels.paged_decode_attention(query.bfloat16(), _keys(k_cache), k_cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="int64"):
-        kernels.paged_decode_attention(query, k_cache, k_cache, tables.int(), lens, 1.0)
+        kernels.paged_decode_attention(query, _keys(k_cache), k_cache, tables.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="do not hold"):  # K not transposed
+        kernels.paged_decode_attention(query, k_cache, k_cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="refused"):  # head size 24: not a multiple of 16
         cache24 = _cache(2, 1, 4, 24, torch.float32, gen)
-        kernels.paged_decode_attention(torch.randn(1, 2, 24), cache24, cache24, tables, lens, 1.0)
+        query24 = torch.randn(1, 2, 24)
+        kernels.paged_decode_attention(query24, _keys(cache24), cache24, tables, lens, 1.0)
