@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.core.interfaces.attention import AttentionBackend
     from engine.core.interfaces.communicator import Communicator
     from engine.core.interfaces.gemm import DenseGemmKernel
+    from engine.core.interfaces.layer_ops import FusedLayerOps
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
@@ -140,6 +141,10 @@ class Platform(ABC):
     def dense_gemm_kernels(self) -> list[type["DenseGemmKernel"]]:
         """Kernels for unquantized linears in preference order (empty: ``F.linear``)."""
         return []
+
+    def fused_layer_ops(self) -> "FusedLayerOps | None":
+        """Fused norm / activation / rotary kernels, or None (the layers' torch ops)."""
+        return None
 
     def check_and_update_config(self, config: Any) -> None:
         """Adjust or reject an engine config for this platform (raise ValueError)."""

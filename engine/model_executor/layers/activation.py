@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.core.interfaces import FusedLayerOps
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -34,14 +36,26 @@ class ActAndMul(nn.Module):
 
 
 class SiluAndMul(ActAndMul):
-    def __init__(self) -> None:
+    """SwiGLU; through the platform's fused kernel for the dtypes it supports."""
+
+    def __init__(self, fused_ops: FusedLayerOps | None = None, dtype: torch.dtype | None = None):
         super().__init__(F.silu, "silu")
+        usable = fused_ops is not None and dtype is not None and fused_ops.supports(dtype)
+        self.fused_ops = fused_ops if usable else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.fused_ops.silu_and_mul(x)
+        return super().forward(x)
 
 
-def get_act_and_mul(hidden_act: str) -> ActAndMul:
-    """The gated activation named by a HF config's ``hidden_act``."""
+def get_act_and_mul(
+    hidden_act: str, fused_ops: FusedLayerOps | None = None, dtype: torch.dtype | None = None
+) -> ActAndMul:
+    """The gated activation named by a HF config's ``hidden_act`` (``fused_ops`` and
+    ``dtype``: the platform's fused kernel, used where it supports the dtype)."""
     if hidden_act in ("silu", "swish"):
-        return SiluAndMul()
+        return SiluAndMul(fused_ops, dtype)
     if hidden_act not in _ACTIVATIONS:
         raise ValueError(
             f"activation {hidden_act!r} is not supported; supported: "

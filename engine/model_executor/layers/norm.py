@@ -3,7 +3,8 @@
 Decoder layers keep the residual stream separate from the normalized activations:
 ``norm(x, residual)`` adds ``x`` into the residual and normalizes the sum, which saves
 a pass over the hidden states per sub-layer and keeps the HF arithmetic order (sum in
-the model dtype, normalize in float32, cast back, then scale by the weight).
+the model dtype, normalize in float32, cast back, then scale by the weight). A
+platform's fused kernel (``FusedLayerOps.rms_norm``) does all of it in one call.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.core.interfaces import FusedLayerOps
 
 
 class RMSNorm(nn.Module):
@@ -21,9 +24,11 @@ class RMSNorm(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused_ops: FusedLayerOps | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused_ops = fused_ops if fused_ops is not None and fused_ops.supports(dtype) else None
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
@@ -36,7 +41,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``.
+
+        The platform's fused kernel, when there is one, writes ``x + residual`` into
+        ``residual`` itself (the decoder's running residual, owned by the forward)."""
+        fused = self.fused_ops
+        if fused is not None and x.stride(-1) == 1:
+            if residual is None:
+                flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+                return fused.rms_norm(flat, self.weight, self.eps).view(x.shape)
+            if x.dim() == 2 and residual.stride(-1) == 1:
+                return fused.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is None:
             return self._norm(x)
         summed = residual + x

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.core.interfaces import FusedLayerOps
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -127,6 +129,17 @@ def compute_inv_freq(scaling: RopeScaling, head_size: int) -> torch.Tensor:
     raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """One forward's rotary inputs, prepared once and shared by every layer: the flat
+    positions and, for the torch-op path, their gathered ``cos`` / ``sin``
+    (``[T, 1, head_size // 2]`` each; None when a fused kernel reads the table itself)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flat ``q [T, H*D]`` / ``k [T, Hkv*D]`` at ``positions [T]``."""
 
@@ -137,8 +150,11 @@ class RotaryEmbedding(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused_ops: FusedLayerOps | None = None,
     ) -> None:
         super().__init__()
+        # The platform's fused kernel rotates in place from the table, else torch ops.
+        self.fused_ops = fused_ops if fused_ops is not None and fused_ops.supports(dtype) else None
         if head_size % 2:
             raise ValueError(f"rotary embeddings need an even head size, not {head_size}")
         self.head_size = head_size
@@ -154,8 +170,21 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin(positions)
-        return self.apply(q, cos_sin), self.apply(k, cos_sin)
+        """Rotated copies of ``q`` and ``k`` (the inputs are left as they are)."""
+        rope = self.prepare(positions)
+        return self.apply(q.clone(), rope), self.apply(k.clone(), rope)
+
+    def prepare(self, positions: torch.Tensor) -> RopeInputs:
+        """What :meth:`apply` needs for ``positions``; models build it once per forward."""
+        if self.fused_ops is None:
+            cos, sin = self.cos_sin(positions)
+            return RopeInputs(positions, cos, sin)
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the rotary table "
+                f"({self.max_positions} positions)"
+            )
+        return RopeInputs(positions.to(torch.int64).contiguous())
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[T, 1, head_size // 2]``, for the flat ``positions``.
@@ -165,10 +194,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return cos[:, None, :], sin[:, None, :]
 
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         """RoPE on flat ``x [T, n * head_size]``: any number of heads, so the q and k
-        heads of a fused projection can be rotated in one pass."""
-        cos, sin = cos_sin
+        heads of a fused projection can be rotated in one pass. The fused kernel
+        rotates ``x`` in place (and returns it); the torch ops return a new tensor."""
+        if rope.cos is None:
+            self.fused_ops.rotary_neox_(x, rope.positions, self.cos_sin_cache, self.head_size)
+            return x
+        cos, sin = rope.cos, rope.sin
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         x1, x2 = x.chunk(2, dim=-1)

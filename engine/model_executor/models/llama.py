@@ -23,7 +23,11 @@ from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
 from engine.model_executor.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
 from engine.model_executor.layers.norm import RMSNorm
-from engine.model_executor.layers.rotary import RotaryEmbedding, rope_scaling_from_config
+from engine.model_executor.layers.rotary import (
+    RopeInputs,
+    RotaryEmbedding,
+    rope_scaling_from_config,
+)
 from engine.model_executor.models.interface import ModelInitContext, ModelKVSpec
 from engine.model_executor.weight_utils import StackedParam, load_named_weights
 
@@ -34,7 +38,6 @@ STACKED_PARAMS = (
     StackedParam(".gate_up_proj.", ".gate_proj.", 0),
     StackedParam(".gate_up_proj.", ".up_proj.", 1),
 )
-RopeCosSin = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.cos_sin of the step
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
@@ -79,7 +82,7 @@ class LlamaMLP(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common)
         self.down_proj = ReplicatedLinear(inter, hidden, bias=opts.mlp_bias, **common)
-        self.act_fn = get_act_and_mul(hf_config.hidden_act)
+        self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_layer_ops, ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -111,8 +114,9 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias, **common
         )
         if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common)
-            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common)
+            fused = ctx.fused_layer_ops
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
@@ -130,7 +134,7 @@ class LlamaAttention(nn.Module):
         shape = x.shape
         return norm(x.reshape(shape[0], -1, self.head_size)).view(shape)
 
-    def forward(self, rope: RopeCosSin, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.shard_sizes["q"], self.qkv_proj.shard_sizes["k"]
         if self.q_norm is None:  # q and k heads side by side: one rotary pass for both
@@ -158,11 +162,12 @@ class LlamaDecoderLayer(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(hf_config, ctx, opts)
+        common = {**common, "fused_ops": ctx.fused_layer_ops}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
 
     def forward(
-        self, rope: RopeCosSin, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
@@ -179,17 +184,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, **common)
-        rotary_emb = RotaryEmbedding(opts.head_size, rope_scaling_from_config(hf_config), **common)
+        fused = {"fused_ops": ctx.fused_layer_ops}
+        rotary_emb = RotaryEmbedding(
+            opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
+        )
         self.rotary_emb = rotary_emb  # shared by every layer
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb)
             for i in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common, **fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.cos_sin(positions)  # once per forward, for every layer
+        rope = self.rotary_emb.prepare(positions)  # once per forward, for every layer
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual)

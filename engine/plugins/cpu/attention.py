@@ -189,7 +189,7 @@ class CPUAttentionImpl(AttentionImpl):
         super().__init__(spec)
         self.group = spec.num_heads // spec.num_kv_heads
         # The C decode kernel when it can serve this layer, else the torch-op path.
-        self.kernels = kernels if kernels and kernels.supports(spec) else None
+        self.kernels = kernels if kernels and kernels.supports_attention(spec) else None
         self.keys_transposed = self.kernels is not None  # the K layout the kernel reads
 
     def forward(

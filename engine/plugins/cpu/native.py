@@ -27,10 +27,15 @@ from pathlib import Path
 
 import torch
 
+from engine.core.interfaces import FusedLayerOps
+
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode_attention.c",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast")
+SOURCES = ("paged_decode_attention.c", "elementwise.c")
+HEADERS = ("cpu_math.h",)
+CFLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast",
+)
 LIBS = ("-lm",)
 MAX_HEAD_SIZE = 512  # the C code's bounds
 MAX_GROUP = 64
@@ -41,8 +46,8 @@ _LOCK = threading.Lock()
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
-class CPUKernels:
-    """Typed entry points of the compiled library."""
+class CPUKernels(FusedLayerOps):
+    """Typed entry points of the compiled library (also the platform's FusedLayerOps)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -56,9 +61,56 @@ class CPUKernels:
             _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
         ]
         self._decode = fn
+        self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                                              _f32, _i32])
+        self._silu_and_mul = _bind(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
+        self._rotary_neox = _bind(lib.rotary_neox, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                                    _i32])
+
+    # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in DTYPE_CODES
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weight: torch.Tensor,  # [hidden], x's dtype
+        eps: float,
+        residual: torch.Tensor | None = None,  # [T, hidden], updated in place to x + residual
+    ) -> torch.Tensor:
+        """``weight * norm(x)`` or, with ``residual``, ``weight * norm(x + residual)``
+        (the sum written back into ``residual``), rounded as HF's op chain rounds."""
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        res_ptr, res_stride = (0, 0) if residual is None else (
+            residual.data_ptr(), residual.stride(0))
+        _check(self._rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(),
+                              out.data_ptr(), rows, hidden, eps, DTYPE_CODES[x.dtype]), "rms_norm")
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``."""
+        rows, width = x.shape
+        out = torch.empty((rows, width // 2), dtype=x.dtype)
+        _check(self._silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2,
+                                  DTYPE_CODES[x.dtype]), "silu_and_mul")
+        return out
+
+    def rotary_neox_(
+        self,
+        x: torch.Tensor,  # [T, heads * head_size], rotated in place
+        positions: torch.Tensor,  # int64 [T], contiguous
+        cos_sin_cache: torch.Tensor,  # [max_positions, head_size]: cos half, sin half
+        head_size: int,
+    ) -> None:
+        """Rotate-half rotary embedding of every head of ``x``, in place."""
+        rows, width = x.shape
+        _check(self._rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(),
+                                 cos_sin_cache.data_ptr(), rows, width // head_size, head_size,
+                                 DTYPE_CODES[x.dtype]), "rotary_neox")
 
     @staticmethod
-    def supports(spec) -> bool:
+    def supports_attention(spec) -> bool:
         """Whether :meth:`paged_decode_attention` runs a layer of ``spec``
         (an AttentionLayerSpec); the C code checks the same bounds."""
         group = spec.num_heads // spec.num_kv_heads
@@ -118,6 +170,17 @@ class CPUKernels:
         return out
 
 
+def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:
+    fn.restype = _i32
+    fn.argtypes = argtypes
+    return fn
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise ValueError(f"{name} refused its arguments")
+
+
 def _source_dir() -> Path:
     return Path(__file__).with_name("csrc")
 
@@ -140,7 +203,7 @@ def _cache_dir() -> Path:
 
 def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         digest.update((_source_dir() / name).read_bytes())
     digest.update(" ".join((compiler, *CFLAGS, *LIBS)).encode())
     digest.update(_cpu_flags().encode())

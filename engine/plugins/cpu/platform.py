@@ -16,7 +16,12 @@ from engine.core.interfaces import Platform, ProbeResult
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.interfaces import AttentionBackend, Communicator, DenseGemmKernel
+    from engine.core.interfaces import (
+        AttentionBackend,
+        Communicator,
+        DenseGemmKernel,
+        FusedLayerOps,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +192,12 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu.gemm import OneDNNPackedGemm
 
         return [OneDNNPackedGemm]
+
+    def fused_layer_ops(self) -> FusedLayerOps | None:
+        """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""
+        from engine.plugins.cpu.native import load_kernels
+
+        return load_kernels()
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import GlooCommunicator

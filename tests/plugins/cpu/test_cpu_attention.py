@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 def keys_transposed(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the backend stores this layer's K rows transposed (C kernel layers)."""
     spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, 1.0)
-    return cpu_attention.load_kernels() is not None and CPUKernels.supports(spec)
+    return cpu_attention.load_kernels() is not None and CPUKernels.supports_attention(spec)
 
 
 def cache_views(kv_cache: torch.Tensor, block_size: int, head_size: int, transposed: bool):
@@ -166,7 +166,7 @@ def run_backend(case: Case, spec: AttentionLayerSpec, block_size: int) -> torch.
     backend = CPUAttentionBackend(block_size=block_size, device=CPU)
     assert backend.validate(spec, block_size) is None
     impl = backend.make_impl(spec)
-    uses_c = cpu_attention.load_kernels() is not None and CPUKernels.supports(spec)
+    uses_c = cpu_attention.load_kernels() is not None and CPUKernels.supports_attention(spec)
     assert (impl.kernels is not None) == uses_c
     metadata = backend.build_metadata(case.batch)
     return impl.forward(case.query, case.key, case.value, case.kv_cache, metadata)

@@ -54,7 +54,7 @@ def test_a_failing_compile_is_reported_not_raised(monkeypatch, tmp_path, caplog)
 )
 def test_supports_matches_the_c_bounds(num_heads, num_kv_heads, head_size, ok):
     spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, 1.0)
-    assert native.CPUKernels.supports(spec) is ok
+    assert native.CPUKernels.supports_attention(spec) is ok
 
 
 def _cache(num_blocks, kv_heads, block_size, head_size, dtype, gen):

@@ -25,65 +25,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define SLICE 16 /* keys per slice, and the vector width the loops are written for */
 #define HEADS 4  /* query heads per register block */
 #define PREFETCH_BLOCKS 4 /* how many blocks ahead K/V rows are prefetched */
 #define MAX_HEAD_SIZE 512
 #define MAX_GROUP 64
 #define MAX_GROUP_ELEMS 8192 /* padded group * head_size: per-thread scratch */
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax arguments): 2^n * p(r), |r| <= ln2 / 2, within ~2 ulp;
- * branch-free so loops over it vectorize. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* round to nearest through the float adder (1.5 * 2^23): no libm call */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    memcpy(&p, &bits, sizeof p);
-    return x <= -87.0f ? 0.0f : p;
-}
-
-/* element `index` of a `dtype` array, as float32 (dtype is a constant after inlining) */
-static inline __attribute__((always_inline)) float load_at(const void *base, int64_t index,
-                                                          const int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[index]);
-    if (dtype == DTYPE_F16) return (float)((const _Float16 *)base)[index];
-    return ((const float *)base)[index];
-}
-
-static inline __attribute__((always_inline)) void store_at(void *base, int64_t index,
-                                                           const int dtype, float value) {
-    if (dtype == DTYPE_BF16) ((uint16_t *)base)[index] = f32_to_bf16(value);
-    else if (dtype == DTYPE_F16) ((_Float16 *)base)[index] = (_Float16)value;
-    else ((float *)base)[index] = value;
-}
 
 /* Ask for one (block, kv head) row of K and of V, 64 bytes at a time. */
 static inline __attribute__((always_inline)) void prefetch_row(

@@ -1,0 +1,55 @@
+"""Fused elementwise kernels of decoder layers that a platform may supply.
+
+At decode batch sizes RMSNorm (with its residual add), the gated activation and the
+rotary embedding are a few kilobytes of arithmetic each, but as chains of torch ops
+they cost a dispatch per op, dozens per layer. A platform that has fused kernels for
+them returns a :class:`FusedLayerOps` from ``Platform.fused_layer_ops()``; the model's
+layers then call it for the dtypes it supports and keep their torch op chains
+otherwise. Each kernel must round to the storage dtype where the op chain it replaces
+does (HF's arithmetic order), so swapping one in moves results by float32 rounding at
+most.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class FusedLayerOps(ABC):
+    """Fused kernels over 2-D ``[tokens, features]`` tensors whose rows may be strided
+    (slices of a fused projection's output) but whose last dimension is contiguous."""
+
+    @abstractmethod
+    def supports(self, dtype: "torch.dtype") -> bool:
+        """Whether the kernels run tensors of ``dtype``."""
+
+    @abstractmethod
+    def rms_norm(
+        self,
+        x: "torch.Tensor",
+        weight: "torch.Tensor",
+        eps: float,
+        residual: "torch.Tensor | None" = None,
+    ) -> "torch.Tensor":
+        """``weight * x / rms(x)``; with ``residual``: the same of ``x + residual``, and
+        the sum written back into ``residual`` (in place)."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: "torch.Tensor") -> "torch.Tensor":
+        """``silu(gate) * up`` for ``x = [gate | up]`` of width ``2 * I``."""
+
+    @abstractmethod
+    def rotary_neox_(
+        self,
+        x: "torch.Tensor",
+        positions: "torch.Tensor",
+        cos_sin_cache: "torch.Tensor",
+        head_size: int,
+    ) -> None:
+        """Rotate-half rotary embedding of every head of ``x [T, heads * head_size]``, in
+        place; ``cos_sin_cache[p]`` is ``cos | sin`` (head_size values) for position p,
+        ``positions`` int64 and within the cache."""

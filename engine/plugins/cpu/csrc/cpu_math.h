@@ -1,0 +1,73 @@
+/*
+ * Scalar helpers shared by the CPU plugin's C kernels: storage dtypes, bf16 rounding,
+ * a vectorizable exponential. Everything is static inline (one copy per kernel file).
+ */
+#ifndef ENGINE_CPU_MATH_H
+#define ENGINE_CPU_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* nearest even */
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    /* a select, not a branch: loops storing bf16 still vectorize */
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* exp(x) for x <= 0 (softmax arguments): 2^n * p(r), |r| <= ln2 / 2, within ~2 ulp;
+ * branch-free so loops over it vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    /* round to nearest through the float adder (1.5 * 2^23): no libm call */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n << 23;
+    memcpy(&p, &bits, sizeof p);
+    return x <= -87.0f ? 0.0f : p;
+}
+
+/* element `index` of a `dtype` array, as float32 (dtype is a constant after inlining) */
+static inline __attribute__((always_inline)) float load_at(const void *base, int64_t index,
+                                                          const int dtype) {
+    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[index]);
+    if (dtype == DTYPE_F16) return (float)((const _Float16 *)base)[index];
+    return ((const float *)base)[index];
+}
+
+static inline __attribute__((always_inline)) void store_at(void *base, int64_t index,
+                                                           const int dtype, float value) {
+    if (dtype == DTYPE_BF16) ((uint16_t *)base)[index] = f32_to_bf16(value);
+    else if (dtype == DTYPE_F16) ((_Float16 *)base)[index] = (_Float16)value;
+    else ((float *)base)[index] = value;
+}
+
+/* `value` rounded to the storage dtype and widened back: mirrors a torch op that
+ * returns a tensor of that dtype, so a fused kernel rounds where the op chain did. */
+static inline __attribute__((always_inline)) float round_to(const int dtype, float value) {
+    if (dtype == DTYPE_BF16) return bf16_to_f32(f32_to_bf16(value));
+    if (dtype == DTYPE_F16) return (float)(_Float16)value;
+    return value;
+}
+
+#endif /* ENGINE_CPU_MATH_H */

@@ -1,0 +1,150 @@
+/*
+ * Fused elementwise kernels of the decoder layers, for the CPU platform.
+ *
+ * Why C: at decode batch sizes each of these is a handful of torch ops on a few
+ * kilobytes, and the ops' dispatch costs more than their arithmetic (RMSNorm with its
+ * residual add: ~25 us as torch ops, ~3 us here, 17 times per step in an 8-layer
+ * model). Each kernel rounds to the storage dtype exactly where the torch op chain it
+ * replaces returns a tensor (HF's arithmetic order), so results match to the float32
+ * rounding of a sum; contraction into FMAs is off in this file for the same reason.
+ *
+ * Rows may be strided (slices of a fused projection's output); the last dimension is
+ * contiguous. Built together with paged_decode_attention.c by native.py.
+ */
+#pragma GCC optimize("fp-contract=off")
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+#define PARALLEL_MIN_ROWS 32 /* below this many rows, one thread: forking costs more */
+
+/*
+ * RMSNorm with an optional residual add, HF's order:
+ *   residual[t] = round(x[t] + residual[t])            (only when residual != NULL)
+ *   h = residual[t] or x[t];  out[t] = round(w * round(h / sqrt(mean(h^2) + eps)))
+ * The residual is updated in place; out is contiguous [rows, hidden].
+ */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    const void *x, int64_t x_stride, void *residual, int64_t res_stride, const void *weight,
+    void *out, int64_t t, int64_t hidden, float eps, const int dtype)
+{
+    {
+        float sum_sq = 0.0f;
+        if (residual != NULL) {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float h = round_to(dtype, load_at(x, t * x_stride + i, dtype) +
+                                                    load_at(residual, t * res_stride + i, dtype));
+                store_at(residual, t * res_stride + i, dtype, h);
+                sum_sq += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float h = load_at(x, t * x_stride + i, dtype);
+                sum_sq += h * h;
+            }
+        }
+        const void *src = residual != NULL ? residual : x;
+        const int64_t src_row = t * (residual != NULL ? res_stride : x_stride);
+        const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) {
+            const float normed = round_to(dtype, load_at(src, src_row + i, dtype) * inv);
+            store_at(out, t * hidden + i, dtype, load_at(weight, i, dtype) * normed);
+        }
+    }
+}
+
+/* out[t, i] = round(round(silu(x[t, i])) * x[t, inter + i]): gate then up halves. */
+static inline __attribute__((always_inline)) void silu_and_mul_row(
+    const void *x, int64_t x_stride, void *out, int64_t t, int64_t inter, const int dtype)
+{
+    {
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float gate = load_at(x, t * x_stride + i, dtype);
+            const float up = load_at(x, t * x_stride + inter + i, dtype);
+            /* sigmoid from exp(-|gate|) <= 1: no overflow, and the exponential vectorizes */
+            const float e = exp_nonpositive(gate > 0.0f ? -gate : gate);
+            const float sigmoid = gate > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            store_at(out, t * inter + i, dtype, round_to(dtype, gate * sigmoid) * up);
+        }
+    }
+}
+
+/*
+ * Rotary embedding, rotate-half ("neox") style, in place on `heads` heads per row:
+ *   x1, x2 = halves of each head;  x1' = round(x1 c) - round(x2 s);  x2' = round(x2 c) + round(x1 s)
+ * with c, s = cos_sin[positions[t]] (cos half then sin half, in the storage dtype).
+ */
+static inline __attribute__((always_inline)) void rotary_row(
+    void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin, int64_t t,
+    int64_t heads, int64_t head_size, const int dtype)
+{
+    const int64_t half = head_size / 2;
+    {
+        const int64_t cs = positions[t] * head_size;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = t * x_stride + h * head_size;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float c = load_at(cos_sin, cs + i, dtype);
+                const float s = load_at(cos_sin, cs + half + i, dtype);
+                const float x1 = load_at(x, base + i, dtype);
+                const float x2 = load_at(x, base + half + i, dtype);
+                store_at(x, base + i, dtype, round_to(dtype, x1 * c) - round_to(dtype, x2 * s));
+                store_at(x, base + half + i, dtype,
+                         round_to(dtype, x2 * c) + round_to(dtype, x1 * s));
+            }
+        }
+    }
+}
+
+/* The parallel row loop, one copy per dtype: the dtype must be a literal inside the
+ * OpenMP region (regions are outlined before inlining) for the row loops to vectorize. */
+#define DISPATCH(ROW_CALL)                                                                   \
+    switch (dtype) {                                                                         \
+    case DTYPE_F32:                                                                          \
+        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_F32);                              \
+        return 0;                                                                            \
+    case DTYPE_BF16:                                                                         \
+        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_BF16);                             \
+        return 0;                                                                            \
+    case DTYPE_F16:                                                                          \
+        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_F16);                              \
+        return 0;                                                                            \
+    default:                                                                                 \
+        return -1;                                                                           \
+    }
+
+int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
+             const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype)
+{
+#define ROW(D) rms_norm_row(x, x_stride, residual, res_stride, weight, out, t, hidden, eps, D)
+    DISPATCH(ROW)
+#undef ROW
+}
+
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
+                 int dtype)
+{
+#define ROW(D) silu_and_mul_row(x, x_stride, out, t, inter, D)
+    DISPATCH(ROW)
+#undef ROW
+}
+
+int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin,
+                int64_t rows, int64_t heads, int64_t head_size, int dtype)
+{
+    if (head_size % 2 != 0) return -1;
+#define ROW(D) rotary_row(x, x_stride, positions, cos_sin, t, heads, head_size, D)
+    DISPATCH(ROW)
+#undef ROW
+}

@@ -1,0 +1,113 @@
+"""The CPU plugin's fused norm / activation / rotary kernels against the torch op chains
+they replace (HF's arithmetic order) and against float64, through the model layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model_executor.layers.activation import get_act_and_mul
+from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.rotary import RopeScaling, RotaryEmbedding
+from engine.plugins.cpu import native
+from engine.plugins.cpu.platform import CPUPlatform
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Each kernel rounds where the op chain does, so the narrow dtypes agree to one unit in
+# the last place (a float32 sum in another order can tip a rounding); float32 differs by
+# that order and the exponential's last bits.
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=0, rtol=2**-7),
+       torch.float16: dict(atol=0, rtol=2**-10)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = native.load_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler here")
+    return kernels
+
+
+def test_the_cpu_platform_offers_them(ops):
+    assert CPUPlatform().fused_layer_ops() is ops
+    assert all(ops.supports(d) for d in DTYPES) and not ops.supports(torch.int32)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 70])  # 70: the parallel loop
+def test_rms_norm_with_and_without_residual(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 2 * 96, generator=gen) * 4).to(dtype)
+    x = wide[:, 96:]  # strided rows, as a slice of a wider output
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = torch.randn(96, generator=gen).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5),
+                               **TOL[dtype])
+    summed = residual + x
+    out = ops.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(residual, summed, atol=0, rtol=0)  # written in place
+    torch.testing.assert_close(out, _hf_rms_norm(summed, weight, 1e-5), **TOL[dtype])
+    ref64 = summed.double() / summed.double().pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
+    torch.testing.assert_close(out.double(), ref64 * weight.double(), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(40, 2 * 80, generator=gen) * 6).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, 1e-3])  # saturation, zero
+    expected = F.silu(x[:, :80]) * x[:, 80:]
+    torch.testing.assert_close(ops.silu_and_mul(x), expected, **TOL[dtype])
+    gate, up = x.double().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x).double(), gate * torch.sigmoid(gate) * up,
+                               atol=0.5, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_the_torch_path(ops, dtype):
+    scaling = RopeScaling(rope_type="default", theta=1e4, max_position_embeddings=300)
+    fused = RotaryEmbedding(64, scaling, dtype=dtype, device="cpu", fused_ops=ops)
+    plain = RotaryEmbedding(64, scaling, dtype=dtype, device="cpu")
+    assert fused.fused_ops is ops and plain.fused_ops is None
+    gen = torch.Generator().manual_seed(2)
+    positions = torch.tensor([0, 1, 77, 299, 5])
+    qkv = torch.randn(5, 7 * 64, generator=gen).to(dtype)
+    qk = qkv[:, : 5 * 64]  # q and k heads of a fused projection, strided rows
+    expected = plain.apply(qk, plain.prepare(positions))
+    got = fused.apply(qk, fused.prepare(positions))
+    assert got.data_ptr() == qkv.data_ptr()  # rotated in place
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    q, k = fused(positions, qkv[:, :64], qkv[:, 64:128])  # forward leaves its inputs alone
+    torch.testing.assert_close(qkv[:, :64], expected[:, :64], atol=0, rtol=0)
+
+
+def test_rotary_refuses_positions_beyond_its_table(ops):
+    scaling = RopeScaling(rope_type="default", theta=1e4, max_position_embeddings=16)
+    rope = RotaryEmbedding(32, scaling, dtype=torch.float32, device="cpu", fused_ops=ops)
+    with pytest.raises(ValueError, match="beyond the rotary table"):
+        rope.prepare(torch.tensor([3, 16]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_give_the_same_results_fused_or_not(ops, dtype):
+    gen = torch.Generator().manual_seed(3)
+    norms = [RMSNorm(48, 1e-6, dtype=dtype, device="cpu", fused_ops=f) for f in (ops, None)]
+    for norm in norms:
+        norm.weight.data = torch.linspace(0.5, 2, 48).to(dtype)
+    x = torch.randn(6, 48, generator=gen).to(dtype)
+    res = torch.randn(6, 48, generator=gen).to(dtype)
+    (out_f, res_f), (out_p, res_p) = norms[0](x, res.clone()), norms[1](x, res.clone())
+    torch.testing.assert_close(out_f, out_p, **TOL[dtype])
+    torch.testing.assert_close(res_f, res_p, atol=0, rtol=0)
+    heads = x.view(6, 3, 16)  # a per-head norm (q_norm / k_norm) on a 3-D view
+    head_norms = [RMSNorm(16, 1e-6, dtype=dtype, device="cpu", fused_ops=f) for f in (ops, None)]
+    torch.testing.assert_close(head_norms[0](heads), head_norms[1](heads), **TOL[dtype])
+    acts = [get_act_and_mul("silu", f, dtype) for f in (ops, None)]
+    gate_up = torch.randn(6, 64, generator=gen).to(dtype)
+    torch.testing.assert_close(acts[0](gate_up), acts[1](gate_up), **TOL[dtype])
