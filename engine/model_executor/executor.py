@@ -44,7 +44,7 @@ class Executor:
         self.model = load_model(
             config.model.model, dtype, platform.device(), self.attn_backend,
             dense_gemm_kernels=platform.dense_gemm_kernels(),
-            fused_layer_ops=platform.fused_layer_ops(),
+            fused_ops=platform.fused_ops(),
         )
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 

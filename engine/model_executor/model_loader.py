@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.core.interfaces import AttentionBackend, DenseGemmKernel, FusedLayerOps
+from engine.core.interfaces import AttentionBackend, DenseGemmKernel, FusedOps
 from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
@@ -254,13 +254,13 @@ def load_model(
     *,
     quant_config: Any = None,
     dense_gemm_kernels: Sequence[type[DenseGemmKernel]] = (),
-    fused_layer_ops: FusedLayerOps | None = None,
+    fused_ops: FusedOps | None = None,
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
     ``dense_gemm_kernels`` (the platform's, in preference order) then repack the
     unquantized linear weights they accept, once, for the platform's fastest GEMM;
-    ``fused_layer_ops`` replace the layers' norm / activation / rotary op chains."""
+    ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
     files = model if isinstance(model, ModelFiles) else load_model_files(model)
     hf_config = files.hf_config
     quant = getattr(hf_config, "quantization_config", None)
@@ -276,7 +276,7 @@ def load_model(
         device=torch.device(device),
         attn_backend=attn_backend,
         quant_config=quant_config,
-        fused_layer_ops=fused_layer_ops,
+        fused_ops=fused_ops,
     )
     with torch.no_grad():
         net = files.model_cls(hf_config, ctx)

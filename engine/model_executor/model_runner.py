@@ -84,7 +84,7 @@ class ModelRunner:
         self.block_size = block_size
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(platform.fused_ops())
         self.kv_caches: list[torch.Tensor] = []
         # Requests whose prompt logprobs are still due (kept across preemption).
         self._prompt_logprobs: dict[str, _PromptLogprobsProgress] = {}

@@ -12,7 +12,7 @@ from engine.core.interfaces.attention import (
 )
 from engine.core.interfaces.communicator import Communicator
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
-from engine.core.interfaces.layer_ops import FusedLayerOps
+from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.platform import Platform, ProbeResult
 from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
 
@@ -28,7 +28,7 @@ __all__ = [
     "Communicator",
     "DenseGemmKernel",
     "DenseLayerSpec",
-    "FusedLayerOps",
+    "FusedOps",
     "Platform",
     "ProbeResult",
     "QuantMethod",

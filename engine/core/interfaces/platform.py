@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.core.interfaces.attention import AttentionBackend
     from engine.core.interfaces.communicator import Communicator
     from engine.core.interfaces.gemm import DenseGemmKernel
-    from engine.core.interfaces.layer_ops import FusedLayerOps
+    from engine.core.interfaces.fused_ops import FusedOps
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
@@ -142,7 +142,7 @@ class Platform(ABC):
         """Kernels for unquantized linears in preference order (empty: ``F.linear``)."""
         return []
 
-    def fused_layer_ops(self) -> "FusedLayerOps | None":
+    def fused_ops(self) -> "FusedOps | None":
         """Fused norm / activation / rotary kernels, or None (the layers' torch ops)."""
         return None
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.interfaces import FusedLayerOps
+from engine.core.interfaces import FusedOps
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -38,7 +38,7 @@ class ActAndMul(nn.Module):
 class SiluAndMul(ActAndMul):
     """SwiGLU; through the platform's fused kernel for the dtypes it supports."""
 
-    def __init__(self, fused_ops: FusedLayerOps | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, fused_ops: FusedOps | None = None, dtype: torch.dtype | None = None):
         super().__init__(F.silu, "silu")
         usable = fused_ops is not None and dtype is not None and fused_ops.supports(dtype)
         self.fused_ops = fused_ops if usable else None
@@ -50,7 +50,7 @@ class SiluAndMul(ActAndMul):
 
 
 def get_act_and_mul(
-    hidden_act: str, fused_ops: FusedLayerOps | None = None, dtype: torch.dtype | None = None
+    hidden_act: str, fused_ops: FusedOps | None = None, dtype: torch.dtype | None = None
 ) -> ActAndMul:
     """The gated activation named by a HF config's ``hidden_act`` (``fused_ops`` and
     ``dtype``: the platform's fused kernel, used where it supports the dtype)."""

@@ -4,7 +4,7 @@ Decoder layers keep the residual stream separate from the normalized activations
 ``norm(x, residual)`` adds ``x`` into the residual and normalizes the sum, which saves
 a pass over the hidden states per sub-layer and keeps the HF arithmetic order (sum in
 the model dtype, normalize in float32, cast back, then scale by the weight). A
-platform's fused kernel (``FusedLayerOps.rms_norm``) does all of it in one call.
+platform's fused kernel (``FusedOps.rms_norm``) does all of it in one call.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.interfaces import FusedLayerOps
+from engine.core.interfaces import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        fused_ops: FusedLayerOps | None = None,
+        fused_ops: FusedOps | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps

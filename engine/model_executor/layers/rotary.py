@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.core.interfaces import FusedLayerOps
+from engine.core.interfaces import FusedOps
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -150,7 +150,7 @@ class RotaryEmbedding(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        fused_ops: FusedLayerOps | None = None,
+        fused_ops: FusedOps | None = None,
     ) -> None:
         super().__init__()
         # The platform's fused kernel rotates in place from the table, else torch ops.

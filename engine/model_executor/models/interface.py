@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.core.interfaces import AttentionBackend, FusedLayerOps
+from engine.core.interfaces import AttentionBackend, FusedOps
 
 
 @dataclass
@@ -24,7 +24,7 @@ class ModelInitContext:
     device: torch.device
     attn_backend: AttentionBackend
     quant_config: Any = None  # a QuantMethod (or its config) once quantized models land
-    fused_layer_ops: FusedLayerOps | None = None  # the platform's norm/act/rotary kernels
+    fused_ops: FusedOps | None = None  # the platform's norm/act/rotary kernels
     parallel_config: Any = None  # tensor / pipeline parallel rank and sizes, later
 
 

@@ -82,7 +82,7 @@ class LlamaMLP(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common)
         self.down_proj = ReplicatedLinear(inter, hidden, bias=opts.mlp_bias, **common)
-        self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_layer_ops, ctx.dtype)
+        self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_ops, ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias, **common
         )
         if opts.qk_norm:
-            fused = ctx.fused_layer_ops
+            fused = ctx.fused_ops
             self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
             self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
         else:
@@ -162,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(hf_config, ctx, opts)
-        common = {**common, "fused_ops": ctx.fused_layer_ops}
+        common = {**common, "fused_ops": ctx.fused_ops}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
 
@@ -184,7 +184,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, **common)
-        fused = {"fused_ops": ctx.fused_layer_ops}
+        fused = {"fused_ops": ctx.fused_ops}
         rotary_emb = RotaryEmbedding(
             opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
         )

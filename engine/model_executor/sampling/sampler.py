@@ -27,10 +27,12 @@ floating dtypes are upcast to a float32 copy first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.core.interfaces import FusedOps
 from engine.model_executor.sampling.logits_processors import (
     apply_allowed_token_ids,
     apply_banned_tokens,
@@ -51,8 +53,17 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
-    """Stateless: everything per-request arrives in :class:`SamplingMetadata`."""
+    """Stateless: everything per-request arrives in :class:`SamplingMetadata`.
+
+    ``fused_ops``: the platform's kernels; their row-wise argmax replaces torch's."""
+
+    def __init__(self, fused_ops: FusedOps | None = None) -> None:
+        self.argmax = fused_ops.argmax if fused_ops is not None else torch_argmax
 
     @torch.inference_mode()
     def __call__(
@@ -68,7 +79,7 @@ class Sampler:
         apply_logits_processors(logits, metadata, token_bitmask)
         if metadata.penalties is not None:
             apply_batch_penalties(logits, metadata.penalties)
-        sampled = sample(logits, metadata)
+        sampled = sample(logits, metadata, self.argmax)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
@@ -92,11 +103,15 @@ def apply_logits_processors(
         apply_token_bitmask(logits, token_bitmask)
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+) -> torch.Tensor:
     """Stages 4-8 on processed logits: greedy argmax or a random draw per row."""
     greedy = None
     if not metadata.all_random:
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax(logits)
         if metadata.all_greedy:
             return greedy
     if metadata.temperature is not None:
@@ -105,13 +120,17 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    drawn = exponential_race(probs, metadata.generators)
+    drawn = exponential_race(probs, metadata.generators, argmax)
     if greedy is None:
         return drawn
     return torch.where(metadata.greedy_mask, greedy, drawn)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+) -> torch.Tensor:
     """Draw one token per row from ``probs`` ``[N, V]`` as ``argmax(probs / q)``.
 
     Rows listed in ``generators`` take ``q`` from their own generator (one ``[V]`` draw
@@ -123,7 +142,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     q.clamp_min_(_TINY)  # q == 0 would turn a masked token's 0/0 into a winning NaN
-    return probs.div_(q).argmax(dim=-1)
+    return argmax(probs.div_(q))
 
 
 def _as_float32_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.interfaces import FusedLayerOps
+from engine.core.interfaces import FusedOps
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ _LOCK = threading.Lock()
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
-class CPUKernels(FusedLayerOps):
-    """Typed entry points of the compiled library (also the platform's FusedLayerOps)."""
+class CPUKernels(FusedOps):
+    """Typed entry points of the compiled library (also the platform's FusedOps)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -64,6 +64,7 @@ class CPUKernels(FusedLayerOps):
         self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                               _f32, _i32])
         self._silu_and_mul = _bind(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
+        self._argmax = _bind(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
         self._rotary_neox = _bind(lib.rotary_neox, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                                     _i32])
 
@@ -94,6 +95,16 @@ class CPUKernels(FusedLayerOps):
         out = torch.empty((rows, width // 2), dtype=x.dtype)
         _check(self._silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2,
                                   DTYPE_CODES[x.dtype]), "silu_and_mul")
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of float32 ``x [rows, cols]`` (torch's ties and NaNs)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+            return x.argmax(dim=-1)
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            _check(self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr()), "argmax")
         return out
 
     def rotary_neox_(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
         AttentionBackend,
         Communicator,
         DenseGemmKernel,
-        FusedLayerOps,
+        FusedOps,
     )
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class CPUPlatform(Platform):
 
         return [OneDNNPackedGemm]
 
-    def fused_layer_ops(self) -> FusedLayerOps | None:
+    def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""
         from engine.plugins.cpu.native import load_kernels
 

@@ -30,7 +30,7 @@ def ops():
 
 
 def test_the_cpu_platform_offers_them(ops):
-    assert CPUPlatform().fused_layer_ops() is ops
+    assert CPUPlatform().fused_ops() is ops
     assert all(ops.supports(d) for d in DTYPES) and not ops.supports(torch.int32)
 
 
@@ -111,3 +111,29 @@ def test_layers_give_the_same_results_fused_or_not(ops, dtype):
     acts = [get_act_and_mul("silu", f, dtype) for f in (ops, None)]
     gate_up = torch.randn(6, 64, generator=gen).to(dtype)
     torch.testing.assert_close(acts[0](gate_up), acts[1](gate_up), **TOL[dtype])
+
+
+def test_argmax_matches_torch_ties_nans_and_masked_rows(ops):
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(20, 3000, generator=gen)
+    x = wide[:, :2999]  # strided rows
+    x[1, 10] = x[1, 2000] = x[1].max() + 1  # a tie: the first index wins
+    x[2, 5] = float("nan")  # a NaN wins, as in torch
+    x[3] = float("-inf")  # a fully masked row
+    x[4, 2998] = 1e30
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    assert ops.argmax(x[:0]).shape == (0,)
+
+
+def test_sampler_draws_the_same_tokens_with_the_fused_argmax(ops):
+    from engine.model_executor.sampling.sampler import Sampler, exponential_race
+
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(6, 500, generator=gen), dim=-1)
+    draws = []
+    for argmax in (ops.argmax, lambda t: t.argmax(dim=-1)):
+        torch.manual_seed(0)  # unseeded rows share the default generator: same q twice
+        seeded = {1: torch.Generator().manual_seed(9)}
+        draws.append(exponential_race(probs.clone(), seeded, argmax))
+    assert torch.equal(draws[0], draws[1])
+    assert Sampler(ops).argmax == ops.argmax and Sampler().argmax is not ops.argmax

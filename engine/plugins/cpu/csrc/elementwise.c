@@ -148,3 +148,33 @@ int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void 
     DISPATCH(ROW)
 #undef ROW
 }
+
+/*
+ * out[t] = index of the first maximum of row t (the first NaN when the row has one),
+ * as torch.argmax. Two passes over a row already in cache: the maximum with plain
+ * vector compares, then the first index holding it.
+ */
+int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out)
+{
+    if (cols <= 0) return -1;
+#pragma omp parallel for if (rows >= 8)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *row = x + t * x_stride;
+        float best = row[0];
+        int has_nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+        for (int64_t i = 0; i < cols; i++) {
+            best = row[i] > best ? row[i] : best;
+            has_nan |= row[i] != row[i];
+        }
+        int64_t index = 0;
+        for (int64_t i = 0; i < cols; i++) {
+            if (has_nan ? row[i] != row[i] : row[i] == best) {
+                index = i;
+                break;
+            }
+        }
+        out[t] = index;
+    }
+    return 0;
+}
