@@ -11,8 +11,8 @@ from engine.core.interfaces.attention import (
     AttentionLayerSpec,
 )
 from engine.core.interfaces.communicator import Communicator
-from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.fused_ops import FusedOps
+from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.platform import Platform, ProbeResult
 from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
 

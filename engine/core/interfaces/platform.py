@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from engine.core.interfaces.attention import AttentionBackend
     from engine.core.interfaces.communicator import Communicator
-    from engine.core.interfaces.gemm import DenseGemmKernel
     from engine.core.interfaces.fused_ops import FusedOps
+    from engine.core.interfaces.gemm import DenseGemmKernel
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
