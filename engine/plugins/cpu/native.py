@@ -222,20 +222,31 @@ def _library_path(compiler: str) -> Path:
 
 
 def _compile(compiler: str, target: Path) -> None:
-    """Build into a temporary file, then rename: concurrent builders never see half a
-    library."""
+    """Compile every source at once (one compiler process each: first use waits for the
+    slowest file, not the sum), link, then rename into place, so concurrent builders
+    never see half a library."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *CFLAGS, *(str(_source_dir() / s) for s in SOURCES), "-o", tmp, *LIBS]
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects, jobs = [], []
+        for source in SOURCES:
+            obj = os.path.join(work, Path(source).with_suffix(".o").name)
+            cmd = [compiler, *CFLAGS, "-c", str(_source_dir() / source), "-o", obj]
+            jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True)))
+            objects.append(obj)
+        failures = []
+        for cmd, job in jobs:  # wait for every job before anything is cleaned up
+            _, err = job.communicate(timeout=120)
+            if job.returncode != 0:
+                failures.append(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        library = os.path.join(work, target.name)
+        cmd = [compiler, *CFLAGS, *objects, "-o", library, *LIBS]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.replace(library, target)
 
 
 def native_kernels_enabled() -> bool:
