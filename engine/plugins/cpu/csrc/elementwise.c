@@ -19,7 +19,9 @@
 
 #include "cpu_math.h"
 
-#define PARALLEL_MIN_ROWS 32 /* below this many rows, one thread: forking costs more */
+/* Below this many values a kernel runs on one thread: waking the OpenMP pool (asleep
+ * after the GEMM's parallel region) costs tens of microseconds, more than the work. */
+#define PARALLEL_MIN_VALUES (1 << 17)
 
 /*
  * RMSNorm with an optional residual add, HF's order:
@@ -70,7 +72,8 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(
             const float up = load_at(x, t * x_stride + inter + i, dtype);
             /* sigmoid from exp(-|gate|) <= 1: no overflow, and the exponential vectorizes */
             const float e = exp_nonpositive(gate > 0.0f ? -gate : gate);
-            const float sigmoid = gate > 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            const float r = 1.0f / (1.0f + e); /* one division for both signs */
+            const float sigmoid = gate > 0.0f ? r : e * r;
             store_at(out, t * inter + i, dtype, round_to(dtype, gate * sigmoid) * up);
         }
     }
@@ -109,15 +112,15 @@ static inline __attribute__((always_inline)) void rotary_row(
 #define DISPATCH(ROW_CALL)                                                                   \
     switch (dtype) {                                                                         \
     case DTYPE_F32:                                                                          \
-        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        _Pragma("omp parallel for if (rows * cols >= PARALLEL_MIN_VALUES)")                          \
         for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_F32);                              \
         return 0;                                                                            \
     case DTYPE_BF16:                                                                         \
-        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        _Pragma("omp parallel for if (rows * cols >= PARALLEL_MIN_VALUES)")                          \
         for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_BF16);                             \
         return 0;                                                                            \
     case DTYPE_F16:                                                                          \
-        _Pragma("omp parallel for if (rows >= PARALLEL_MIN_ROWS)")                          \
+        _Pragma("omp parallel for if (rows * cols >= PARALLEL_MIN_VALUES)")                          \
         for (int64_t t = 0; t < rows; t++) ROW_CALL(DTYPE_F16);                              \
         return 0;                                                                            \
     default:                                                                                 \
@@ -127,6 +130,7 @@ static inline __attribute__((always_inline)) void rotary_row(
 int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
              const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype)
 {
+    const int64_t cols = hidden;
 #define ROW(D) rms_norm_row(x, x_stride, residual, res_stride, weight, out, t, hidden, eps, D)
     DISPATCH(ROW)
 #undef ROW
@@ -135,6 +139,7 @@ int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                  int dtype)
 {
+    const int64_t cols = 8 * inter; /* the exponential makes each value ~8 times the work */
 #define ROW(D) silu_and_mul_row(x, x_stride, out, t, inter, D)
     DISPATCH(ROW)
 #undef ROW
@@ -144,6 +149,7 @@ int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void 
                 int64_t rows, int64_t heads, int64_t head_size, int dtype)
 {
     if (head_size % 2 != 0) return -1;
+    const int64_t cols = heads * head_size;
 #define ROW(D) rotary_row(x, x_stride, positions, cos_sin, t, heads, head_size, D)
     DISPATCH(ROW)
 #undef ROW
