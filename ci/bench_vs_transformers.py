@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The reference throughput workload through this engine and through transformers, side by side.
+"""The reference workloads through this engine and through transformers, side by side.
 
 Both run in this one process, on the same prompts (``engine.benchmarks.workload``: 64
 prompts of 128 random ids, 128 greedy output tokens, EOS ignored), in bfloat16, with the
@@ -10,6 +10,11 @@ same number of threads:
 * transformers: ``generate`` on one batch (the prompts are equal in length, so the batch
   needs no padding), greedy, ``min_new_tokens = max_new_tokens`` (EOS ignored).
 
+``--latency``: the single-stream workload instead (the workload's prompt 0 alone, 128
+in / 128 out): milliseconds per output token after the first, and time to first token.
+The engine's come from its request metrics; transformers' from timing ``generate`` for
+one token (TTFT) and for all of them: (t_all - t_one) / (output_len - 1) per token.
+
 Each side gets ``--warmup`` unmeasured runs, then the measured runs alternate engine /
 transformers ``--repeats`` times, so a burst of load from elsewhere hits both; the
 figures are medians and the ratio is taken between the medians. The shared machine's
@@ -17,6 +22,7 @@ load average is printed with them: figures measured under load are not comparabl
 
     python tools/make_bench_models.py                       # once: /tmp/engine-bench-models
     python ci/bench_vs_transformers.py /tmp/engine-bench-models/llama-tiny --repeats 3
+    python ci/bench_vs_transformers.py /tmp/engine-bench-models/llama-tiny --latency
 """
 
 from __future__ import annotations
@@ -55,6 +61,35 @@ def _engine_run(llm, workload) -> tuple[float, int]:
     return result.elapsed_s.median, result.output_tokens
 
 
+def _transformers_latency(model, input_ids, output_len: int) -> tuple[float, float]:
+    """(decode ms per output token, TTFT ms) of one unbatched request."""
+    first, tokens = _transformers_run(model, input_ids[:1], 1)
+    whole, tokens = _transformers_run(model, input_ids[:1], output_len)
+    if tokens != output_len:
+        raise RuntimeError(f"transformers produced {tokens} tokens, expected {output_len}")
+    return (whole - first) * 1e3 / (output_len - 1), first * 1e3
+
+
+def _engine_latency(llm, workload) -> tuple[float, float]:
+    from engine.benchmarks.offline import run_latency
+
+    result = run_latency(llm, workload, warmup=0, repeats=1)
+    return result.decode_ms_per_token.median, result.ttft_ms.median
+
+
+def _measure(runners: dict, rounds: int, warmup: int, unit: str, check) -> dict[str, list]:
+    """Alternate the runners ``rounds`` times; keep the results after ``warmup`` rounds."""
+    runs: dict[str, list] = {name: [] for name in runners}
+    for i in range(rounds):
+        for name, run in runners.items():
+            result = check(name, run())
+            if i >= warmup:
+                runs[name].append(result)
+            print(f"{'warmup' if i < warmup else 'run'} {name}: {result[0]:.2f} {unit}",
+                  file=sys.stderr, flush=True)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="HF model directory (e.g. from tools/make_bench_models.py)")
@@ -66,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--latency", action="store_true",
+                        help="Single-stream decode ms/token and TTFT instead of throughput.")
     args = parser.parse_args(argv)
+    if args.latency and args.output_len < 2:
+        parser.error("--latency needs --output-len >= 2")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,44 +120,61 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, dtype="bfloat16", num_threads=threads)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
     workload = Workload(
-        num_prompts=args.num_prompts,
+        num_prompts=1 if args.latency else args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
         vocab_high=vocab_high_for(hf.config.vocab_size),
     )
     input_ids = torch.tensor(workload.prompt_token_ids())
 
-    runners = {
-        "engine": lambda: _engine_run(llm, workload),
-        "transformers": lambda: _transformers_run(hf, input_ids, args.output_len),
-    }
-    runs: dict[str, list[float]] = {name: [] for name in runners}
-    for i in range(args.warmup + args.repeats):
-        for name, run in runners.items():
-            wall, tokens = run()
+    env_threads = f"bf16, {threads} threads"
+    if args.latency:
+        runs = _measure(
+            {"engine": lambda: _engine_latency(llm, workload),
+             "transformers": lambda: _transformers_latency(hf, input_ids, args.output_len)},
+            args.warmup + args.repeats, args.warmup, "ms/token", lambda name, r: r,
+        )
+        decode = {name: statistics.median(r[0] for r in values) for name, values in runs.items()}
+        ttft = {name: statistics.median(r[1] for r in values) for name, values in runs.items()}
+        rows = [(name, f"{decode[name]:.2f} ms/token decode (runs: "
+                       f"{', '.join(f'{r[0]:.2f}' for r in values)}), TTFT {ttft[name]:.1f} ms")
+                for name, values in runs.items()]
+        speedup = decode["transformers"] / decode["engine"]
+        rows.append(("engine speedup", f"{speedup:.2f}x (transformers ms/token / engine's)"))
+        shape = f"1 request ({workload.input_len} in, {workload.output_len} out)"
+        payload = {"decode_ms_per_token": decode, "ttft_ms": ttft,
+                   "runs": {n: [list(r) for r in v] for n, v in runs.items()},
+                   "speedup": speedup}
+        title = f"engine vs transformers, single stream: {Path(args.model).name}"
+    else:
+        def check(name: str, result: tuple[float, int]) -> tuple[float]:
+            wall, tokens = result
             if tokens != workload.expected_output_tokens:
                 raise RuntimeError(f"{name} produced {tokens} tokens, "
                                    f"expected {workload.expected_output_tokens}")
-            if i >= args.warmup:
-                runs[name].append(tokens / wall)
-            print(f"{'warmup' if i < args.warmup else 'run'} {name}: {tokens / wall:.1f} tok/s",
-                  file=sys.stderr, flush=True)
+            return (tokens / wall,)
 
-    median = {name: statistics.median(values) for name, values in runs.items()}
-    ratio = median["engine"] / median["transformers"]
+        runs = _measure(
+            {"engine": lambda: _engine_run(llm, workload),
+             "transformers": lambda: _transformers_run(hf, input_ids, args.output_len)},
+            args.warmup + args.repeats, args.warmup, "tok/s", check,
+        )
+        median = {name: statistics.median(r[0] for r in values) for name, values in runs.items()}
+        ratio = median["engine"] / median["transformers"]
+        rows = [(name, f"{median[name]:.1f} output tok/s "
+                       f"(runs: {', '.join(f'{r[0]:.1f}' for r in values)})")
+                for name, values in runs.items()]
+        rows.append(("engine / transformers", f"{ratio:.2f}x"))
+        shape = f"{workload.num_prompts} x ({workload.input_len} in, {workload.output_len} out)"
+        payload = {"runs_tok_s": {n: [r[0] for r in v] for n, v in runs.items()},
+                   "median_tok_s": median, "ratio": ratio}
+        title = f"engine vs transformers: {Path(args.model).name}"
     env = environment()
-    rows = [
-        (name, f"{median[name]:.1f} output tok/s (runs: {', '.join(f'{v:.1f}' for v in values)})")
-        for name, values in runs.items()
-    ]
-    shape = f"{workload.num_prompts} x ({workload.input_len} in, {workload.output_len} out)"
-    rows += [("engine / transformers", f"{ratio:.2f}x"),
-             ("workload", f"{shape}, bf16, {threads} threads"),
+    rows += [("workload", f"{shape}, {env_threads}"),
              ("load avg (1 min)", str(env["load_avg_1m"]))]
-    print(format_table(rows, f"engine vs transformers: {Path(args.model).name}"))
+    print(format_table(rows, title))
     if args.json_path:
-        payload = {"model": args.model, "threads": threads, "runs_tok_s": runs,
-                   "median_tok_s": median, "ratio": ratio, "environment": env}
+        payload = {"model": args.model, "threads": threads, **payload, "environment": env}
         Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 

@@ -114,6 +114,22 @@ def test_all_at_once_matches_one_at_a_time(llama_dir, llama_reference):
     _check_batch(_engine(llama_dir), llama_reference)
 
 
+def test_without_the_cpu_c_kernels(llama_dir, llama_reference, monkeypatch):
+    """The torch-op path a machine without a C compiler runs (plain K layout, SDPA
+    decode, unfused norms, rotary and argmax) gives the same greedy tokens."""
+    from engine.plugins.cpu import attention as cpu_attention
+    from engine.plugins.cpu import native
+
+    monkeypatch.setattr(native, "load_kernels", lambda: None)
+    monkeypatch.setattr(cpu_attention, "load_kernels", lambda: None)
+    llm = _engine(llama_dir)
+    runner = llm.llm_engine.client.core.executor.runner
+    assert runner.platform.fused_ops() is None
+    model = runner.model.model
+    assert model.norm.fused_ops is None and model.layers[0].self_attn.attn.impl.kernels is None
+    _check_batch(llm, llama_reference)
+
+
 def test_chunked_prefill_under_small_token_budget(llama_dir, llama_reference):
     llm = _engine(llama_dir, max_num_batched_tokens=8, enable_chunked_prefill=True)
     _check_batch(llm, llama_reference)

@@ -1,26 +1,20 @@
-"""The CPU plugin's C kernels: compiled on first use, cached, loaded with ctypes.
+"""The CPU plugin's C kernels as typed Python calls (ctypes over the built library).
 
-The source ships with the package (``csrc/``). It includes no torch headers, so the
-C compiler (``$CC``, else ``cc``) builds it in well under a second, for this CPU
-(``-march=native``); the library is cached under ``$ENGINE_CACHE_DIR`` (default
-``~/.cache/engine``) keyed by the source, the flags and the CPU's feature flags, so
-later processes only load it. The parallel loop runs on torch's OpenMP runtime: the
-library links ``libgomp.so.1``, which the loader resolves to the copy torch already
-loaded, so torch's thread count applies and no second thread pool competes.
-
-Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) :func:`load_kernels`
-returns None and callers keep their torch-op paths.
+:func:`load_kernels` builds the library on first use (:mod:`.kernel_build`) and wraps
+it in :class:`CPUKernels`: the paged decode attention the CPU attention backend calls,
+and the platform's :class:`~engine.core.interfaces.FusedOps` (norm, activation, rotary,
+argmax). Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) it returns None
+and callers keep their torch-op paths. The wrappers check what the C code cannot
+(dtypes, layouts, strides) and raise ValueError rather than let it read out of bounds.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from functools import cache
 from pathlib import Path
@@ -28,15 +22,10 @@ from pathlib import Path
 import torch
 
 from engine.core.interfaces import FusedOps
+from engine.plugins.cpu import kernel_build
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode_attention.c", "elementwise.c")
-HEADERS = ("cpu_math.h",)
-CFLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast",
-)
-LIBS = ("-lm",)
 MAX_HEAD_SIZE = 512  # the C code's bounds
 MAX_GROUP = 64
 MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
@@ -51,16 +40,13 @@ class CPUKernels(FusedOps):
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        fn = lib.paged_decode_attention
-        fn.restype = _i32
-        fn.argtypes = [
+        self._decode = _bind(lib.paged_decode_attention, [
             _ptr, _i64, _i64,  # q, q_req_stride, q_head_stride
             _ptr, _ptr,  # k_cache, v_cache
             _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
             _ptr, _i32, _i32, _i32, _i32,  # out, num_reqs, num_heads, num_kv_heads, head_size
             _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
-        ]
-        self._decode = fn
+        ])
         self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                               _f32, _i32])
         self._silu_and_mul = _bind(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
@@ -192,63 +178,6 @@ def _check(status: int, name: str) -> None:
         raise ValueError(f"{name} refused its arguments")
 
 
-def _source_dir() -> Path:
-    return Path(__file__).with_name("csrc")
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine"
-    return Path(root) / "cpu_kernels"
-
-
-def _library_path(compiler: str) -> Path:
-    digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update((_source_dir() / name).read_bytes())
-    digest.update(" ".join((compiler, *CFLAGS, *LIBS)).encode())
-    digest.update(_cpu_flags().encode())
-    return _cache_dir() / f"engine_cpu_kernels_{digest.hexdigest()[:16]}.so"
-
-
-def _compile(compiler: str, target: Path) -> None:
-    """Compile every source at once (one compiler process each: first use waits for the
-    slowest file, not the sum), link, then rename into place, so concurrent builders
-    never see half a library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        objects, jobs = [], []
-        for source in SOURCES:
-            obj = os.path.join(work, Path(source).with_suffix(".o").name)
-            cmd = [compiler, *CFLAGS, "-c", str(_source_dir() / source), "-o", obj]
-            jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE, text=True)))
-            objects.append(obj)
-        failures = []
-        for cmd, job in jobs:  # wait for every job before anything is cleaned up
-            _, err = job.communicate(timeout=120)
-            if job.returncode != 0:
-                failures.append(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-        if failures:
-            raise RuntimeError("\n".join(failures))
-        library = os.path.join(work, target.name)
-        cmd = [compiler, *CFLAGS, *objects, "-o", library, *LIBS]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-        os.replace(library, target)
-
-
 def native_kernels_enabled() -> bool:
     return os.environ.get("ENGINE_CPU_NATIVE_KERNELS", "1").strip().lower() not in (
         "0", "false", "no", "off",
@@ -265,10 +194,10 @@ def load_kernels() -> CPUKernels | None:
         logger.warning("no C compiler (%s): the CPU plugin uses its torch-op kernels", compiler)
         return None
     try:
-        path = _library_path(compiler)
+        path = kernel_build.library_path(compiler)
         with _LOCK:
             if not path.exists():
-                _compile(compiler, path)
+                kernel_build.compile_library(compiler, path)
             return CPUKernels(ctypes.CDLL(str(path)), path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)

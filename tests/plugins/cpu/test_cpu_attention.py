@@ -264,7 +264,7 @@ def test_skipped_slots_are_not_written():
     spec = AttentionLayerSpec(2, 8, 1, 8**-0.5)
     out = run_backend(case, spec, 4)
     skipped_slot = case.slots[2][-1]  # the last request's only new token (row 5)
-    blk, off = skipped_slot // 4, skipped_slot % 4
+    blk = skipped_slot // 4
     for now, then in zip(case.kv_cache, before):  # K, V planes
         torch.testing.assert_close(now[blk], then[blk])  # the whole block is untouched
     # Every other request is unaffected and exact.

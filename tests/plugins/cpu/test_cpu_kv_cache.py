@@ -32,7 +32,9 @@ def test_caches_are_zero_and_independent(dtype):
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_a_large_cache_costs_no_memory_until_used():
     backend = CPUAttentionBackend(16, torch.device("cpu"))
-    shape = backend.get_kv_cache_shape(num_blocks=16384, block_size=16, num_kv_heads=4, head_size=64)
+    shape = backend.get_kv_cache_shape(
+        num_blocks=16384, block_size=16, num_kv_heads=4, head_size=64
+    )
     before = _rss_bytes()
     caches = backend.allocate_kv_cache(shape, torch.bfloat16, num_layers=2)  # 2 x 256 MiB
     assert _rss_bytes() - before < 32 << 20

@@ -1,4 +1,4 @@
-"""Building, caching and calling the CPU plugin's C kernels (engine.plugins.cpu.native)."""
+"""Building, caching and calling the CPU plugin's C kernels (cpu.kernel_build, cpu.native)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.core.interfaces import AttentionLayerSpec
-from engine.plugins.cpu import native
+from engine.plugins.cpu import kernel_build, native
 
 build = native.load_kernels.__wrapped__  # uncached: each call decides afresh
 
@@ -41,7 +41,7 @@ def test_disabled_or_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_pa
 
 def test_a_failing_compile_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-fno-such-flag"))
+    monkeypatch.setattr(kernel_build, "CFLAGS", (*kernel_build.CFLAGS, "-fno-such-flag"))
     assert build() is None
     assert "unavailable" in caplog.text and "-fno-such-flag" in caplog.text
     assert not list((tmp_path / "cpu_kernels").iterdir())
