@@ -34,6 +34,86 @@
 #define MAX_GROUP 64
 #define MAX_GROUP_ELEMS 8192 /* padded group * head_size: per-thread scratch */
 
+/* 16-lane vectors (GCC/Clang vector extensions: portable, split into whatever width the
+ * target has), so accumulators live in registers without target intrinsics. */
+typedef float vfloat __attribute__((vector_size(SLICE * sizeof(float))));
+typedef int32_t vlane __attribute__((vector_size(SLICE * sizeof(int32_t))));
+typedef uint32_t vu32 __attribute__((vector_size(SLICE * sizeof(uint32_t))));
+typedef uint16_t vu16 __attribute__((vector_size(SLICE * sizeof(uint16_t))));
+typedef _Float16 vhalf __attribute__((vector_size(SLICE * sizeof(_Float16))));
+
+static inline vlane lane_ids(void) {
+    const vlane ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return ids;
+}
+
+/* lanes of `a` where `mask` is set, `b` elsewhere */
+static inline vfloat select(vlane mask, vfloat a, float b) {
+    const vfloat fill = a * 0.0f + b;
+    vu32 ua, ub;
+    memcpy(&ua, &a, sizeof ua);
+    memcpy(&ub, &fill, sizeof ub);
+    const vu32 m = (vu32)mask;
+    const vu32 r = (ua & m) | (ub & ~m);
+    vfloat out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline vfloat load_floats(const float *src) {
+    vfloat v;
+    memcpy(&v, src, sizeof v);
+    return v;
+}
+
+static inline void store_floats(float *dst, vfloat v) { memcpy(dst, &v, sizeof v); }
+
+/* SLICE consecutive values of a `dtype` array as float32 */
+static inline __attribute__((always_inline)) vfloat load_values(const void *base, int64_t index,
+                                                                const int dtype) {
+    if (dtype == DTYPE_BF16) {
+        vu16 h;
+        memcpy(&h, (const uint16_t *)base + index, sizeof h);
+        const vu32 w = __builtin_convertvector(h, vu32) << 16;
+        vfloat f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+    if (dtype == DTYPE_F16) {
+        vhalf h;
+        memcpy(&h, (const _Float16 *)base + index, sizeof h);
+        return __builtin_convertvector(h, vfloat);
+    }
+    return load_floats((const float *)base + index);
+}
+
+/* the first n (<= SLICE) values, zeros after: never reads past the slice */
+static inline __attribute__((always_inline)) vfloat load_keys(const void *base, int64_t index,
+                                                              int n, const int dtype) {
+    if (n == SLICE) return load_values(base, index, dtype);
+    float part[SLICE] = {0};
+    for (int l = 0; l < n; l++) part[l] = load_at(base, index + l, dtype);
+    return load_floats(part);
+}
+
+/* exp_nonpositive on every lane */
+static inline vfloat vexp_nonpositive(vfloat x) {
+    for (int l = 0; l < SLICE; l++) x[l] = x[l] < -87.0f ? -87.0f : x[l];
+    const vfloat n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vfloat r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+    vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vu32 bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (vu32)(__builtin_convertvector(n, vlane) << 23);
+    memcpy(&p, &bits, sizeof p);
+    return select(x > -87.0f, p, 0.0f);
+}
+
 /* Ask for one (block, kv head) row of K and of V, 64 bytes at a time. */
 static inline __attribute__((always_inline)) void prefetch_row(
     const void *k_cache, const void *v_cache, int64_t index, int64_t count, const int dtype)
@@ -83,64 +163,57 @@ static inline __attribute__((always_inline)) void attend_task(
                 prefetch_row(k_cache, v_cache, blocks[block + ahead] * block_stride + head_row,
                              (int64_t)block_size * head_size, dtype);
         }
+        const vlane valid = lane_ids() < n; /* lanes holding keys of this slice */
         for (int g0 = 0; g0 < padded_group; g0 += HEADS) {
-            float s[HEADS][SLICE] = {{0}};
+            /* scores of HEADS query heads x SLICE keys: one vector per head */
+            const float *q0 = qs + g0 * head_size;
+            vfloat s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
             for (int i = 0; i < head_size; i++) {
-                float kv[SLICE];
-                const int64_t k_index = row + (int64_t)i * block_size + j0;
-                if (n == SLICE) {
-#pragma omp simd
-                    for (int j = 0; j < SLICE; j++) kv[j] = load_at(k_cache, k_index + j, dtype);
-                } else {
-                    for (int j = 0; j < SLICE; j++)
-                        kv[j] = j < n ? load_at(k_cache, k_index + j, dtype) : 0.0f;
-                }
-                for (int c = 0; c < HEADS; c++) {
-                    const float qi = qs[(g0 + c) * head_size + i];
-#pragma omp simd
-                    for (int j = 0; j < SLICE; j++) s[c][j] += qi * kv[j];
-                }
+                const vfloat k = load_keys(k_cache, row + (int64_t)i * block_size + j0, n, dtype);
+                s0 += q0[i] * k;
+                s1 += q0[head_size + i] * k;
+                s2 += q0[2 * head_size + i] * k;
+                s3 += q0[3 * head_size + i] * k;
             }
-            float correction[HEADS];
+            vfloat scores[HEADS] = {s0, s1, s2, s3};
+            float probs[HEADS][SLICE], correction[HEADS];
             for (int c = 0; c < HEADS; c++) {
                 const int g = g0 + c;
+                vfloat sc = scores[c];
                 if (soft_cap > 0.0f)
-                    for (int j = 0; j < n; j++) s[c][j] = soft_cap * tanhf(s[c][j] / soft_cap);
-                float block_max = -INFINITY;
-                for (int j = 0; j < SLICE; j++)
-                    block_max = (j < n && s[c][j] > block_max) ? s[c][j] : block_max;
+                    for (int l = 0; l < n; l++) sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
+                sc = select(valid, sc, -INFINITY);
+                float block_max = sc[0];
+                for (int l = 1; l < SLICE; l++) block_max = sc[l] > block_max ? sc[l] : block_max;
                 const float new_max = block_max > row_max[g] ? block_max : row_max[g];
                 correction[c] = exp_nonpositive(row_max[g] - new_max);
                 row_max[g] = new_max;
+                const vfloat p = select(valid, vexp_nonpositive(sc - new_max), 0.0f);
                 float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-                for (int j = 0; j < SLICE; j++) {
-                    s[c][j] = j < n ? exp_nonpositive(s[c][j] - new_max) : 0.0f;
-                    total += s[c][j];
-                }
+                for (int l = 0; l < SLICE; l++) total += p[l];
                 row_sum[g] = row_sum[g] * correction[c] + total;
+                memcpy(probs[c], &p, sizeof p);
             }
+            /* acc[c] = acc[c] * correction[c] + sum_j probs[c][j] v_j, 16 dims at a time */
             const int64_t v_index = row + (int64_t)j0 * head_size;
             for (int i0 = 0; i0 < head_size; i0 += SLICE) {
-                float a[HEADS][SLICE];
-                for (int c = 0; c < HEADS; c++)
-#pragma omp simd
-                    for (int l = 0; l < SLICE; l++)
-                        a[c][l] = acc[(g0 + c) * head_size + i0 + l] * correction[c];
+                float *a_out = acc + g0 * head_size + i0;
+                vfloat a0 = load_floats(a_out) * correction[0];
+                vfloat a1 = load_floats(a_out + head_size) * correction[1];
+                vfloat a2 = load_floats(a_out + 2 * head_size) * correction[2];
+                vfloat a3 = load_floats(a_out + 3 * head_size) * correction[3];
                 for (int j = 0; j < n; j++) {
-                    float vv[SLICE];
-#pragma omp simd
-                    for (int l = 0; l < SLICE; l++)
-                        vv[l] = load_at(v_cache, v_index + (int64_t)j * head_size + i0 + l, dtype);
-                    for (int c = 0; c < HEADS; c++) {
-                        const float pj = s[c][j];
-#pragma omp simd
-                        for (int l = 0; l < SLICE; l++) a[c][l] += pj * vv[l];
-                    }
+                    const vfloat v = load_values(v_cache, v_index + (int64_t)j * head_size + i0,
+                                                 dtype);
+                    a0 += probs[0][j] * v;
+                    a1 += probs[1][j] * v;
+                    a2 += probs[2][j] * v;
+                    a3 += probs[3][j] * v;
                 }
-                for (int c = 0; c < HEADS; c++)
-#pragma omp simd
-                    for (int l = 0; l < SLICE; l++) acc[(g0 + c) * head_size + i0 + l] = a[c][l];
+                store_floats(a_out, a0);
+                store_floats(a_out + head_size, a1);
+                store_floats(a_out + 2 * head_size, a2);
+                store_floats(a_out + 3 * head_size, a3);
             }
         }
         start = end;
