@@ -41,19 +41,40 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _cache_dir() -> Path:
+def cache_dirs() -> list[Path]:
+    """Where built libraries are kept, in order of preference: ``$ENGINE_CACHE_DIR`` (or
+    ``~/.cache/engine``), then a per-user temporary directory for read-only homes."""
     root = os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine"
-    return Path(root) / "cpu_kernels"
+    fallback = Path(tempfile.gettempdir()) / f"engine-{os.getuid()}"
+    return [Path(root) / "cpu_kernels", fallback / "cpu_kernels"]
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library built by ``compiler`` for this CPU and these sources is cached."""
+def library_name(compiler: str) -> str:
+    """The library's file name: a hash of the sources, compiler, flags and CPU."""
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update((source_dir() / name).read_bytes())
     digest.update(" ".join((compiler, *CFLAGS, *LIBS)).encode())
     digest.update(_cpu_flags().encode())
-    return _cache_dir() / f"engine_cpu_kernels_{digest.hexdigest()[:16]}.so"
+    return f"engine_cpu_kernels_{digest.hexdigest()[:16]}.so"
+
+
+def built_library(compiler: str) -> Path:
+    """The cached library, built first if no cache directory holds it yet (into the
+    first directory that can be written)."""
+    name = library_name(compiler)
+    dirs = cache_dirs()
+    for directory in dirs:
+        if (directory / name).exists():
+            return directory / name
+    for directory in dirs[:-1]:
+        try:
+            compile_library(compiler, directory / name)
+            return directory / name
+        except PermissionError:
+            continue  # a read-only home: the next directory
+    compile_library(compiler, dirs[-1] / name)
+    return dirs[-1] / name
 
 
 def compile_library(compiler: str, target: Path) -> None:

@@ -194,10 +194,8 @@ def load_kernels() -> CPUKernels | None:
         logger.warning("no C compiler (%s): the CPU plugin uses its torch-op kernels", compiler)
         return None
     try:
-        path = kernel_build.library_path(compiler)
         with _LOCK:
-            if not path.exists():
-                kernel_build.compile_library(compiler, path)
+            path = kernel_build.built_library(compiler)
             return CPUKernels(ctypes.CDLL(str(path)), path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)

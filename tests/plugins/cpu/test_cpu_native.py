@@ -29,6 +29,23 @@ def test_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch,
     assert [p.suffix for p in first.path.parent.iterdir()] == [".so"]  # no temp files left
 
 
+def test_a_read_only_cache_falls_back_to_a_temporary_directory(tmp_path, monkeypatch, kernels):
+    read_only = tmp_path / "ro"
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(read_only))
+    monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    compile_library = kernel_build.compile_library
+
+    def refuse_read_only(compiler, target):
+        if target.is_relative_to(read_only):  # as mkdir in a read-only home would
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        compile_library(compiler, target)
+
+    monkeypatch.setattr(kernel_build, "compile_library", refuse_read_only)
+    built = build()
+    assert built is not None and built.path.is_relative_to(tmp_path / "tmp")
+    assert build().path == built.path  # found there next time, not rebuilt
+
+
 def test_disabled_or_without_a_compiler_the_torch_path_stays(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("ENGINE_CPU_NATIVE_KERNELS", "0")
