@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_SIZE = 512  # the C code's bounds
 MAX_GROUP = 64
 MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
+MAX_SPLITS = 64  # key ranges per (request, KV head)
+MIN_KEYS_PER_SPLIT = 256  # shorter ranges cost more to merge than they save
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOCK = threading.Lock()
 
@@ -46,6 +48,7 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
             _ptr, _i32, _i32, _i32, _i32,  # out, num_reqs, num_heads, num_kv_heads, head_size
             _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
+            _i32,  # num_splits
         ])
         self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                               _f32, _i32])
@@ -129,8 +132,12 @@ class CPUKernels(FusedOps):
         scale: float,
         window: int | None = None,
         soft_cap: float | None = None,
+        num_splits: int | None = None,
     ) -> torch.Tensor:
-        """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype."""
+        """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype.
+
+        ``num_splits``: key ranges per (request, KV head), merged afterwards; None picks
+        enough to keep every thread busy when there are fewer tasks than threads."""
         num_reqs, num_heads, head_size = query.shape
         num_blocks, num_kv_heads, block_size, _ = value_cache.shape
         dtype = key_cache.dtype
@@ -151,13 +158,17 @@ class CPUKernels(FusedOps):
             raise ValueError("block tables and sequence lengths must be int64")
         if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
             raise ValueError("block table rows and sequence lengths must be contiguous")
+        if num_splits is None:
+            num_splits = _decode_splits(num_reqs * num_kv_heads, seq_lens)
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         out = torch.empty((num_reqs, num_heads, head_size), dtype=dtype)
         status = self._decode(
             query.data_ptr(), query.stride(0), query.stride(1),
             key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_size,
-            block_size, DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0,
+            block_size, DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0, num_splits,
         )
         if status != 0:
             raise ValueError(
@@ -165,6 +176,17 @@ class CPUKernels(FusedOps):
                 f"{head_size} (block size {block_size})"
             )
         return out
+
+
+def _decode_splits(num_tasks: int, seq_lens: torch.Tensor) -> int:
+    """Key splits per task: none while the tasks alone fill the threads; otherwise about
+    two work items per thread, each of at least MIN_KEYS_PER_SPLIT keys."""
+    threads = torch.get_num_threads()
+    if num_tasks >= threads or not num_tasks:
+        return 1
+    longest = int(seq_lens.max())
+    wanted = -(-2 * threads // num_tasks)
+    return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:

@@ -102,6 +102,36 @@ def test_strided_query_rows_match_a_float64_reference(kernels):
         torch.testing.assert_close(out[r].double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("window", [None, 37])
+def test_key_splits_merge_to_the_same_softmax(kernels, num_splits, window):
+    """Flash-decoding: each task's keys cut into ranges (some empty: 7 splits of a
+    3-key request), partial softmaxes merged."""
+    gen = torch.Generator().manual_seed(num_splits)
+    k_cache, v_cache = (_cache(20, 1, 8, 16, torch.float32, gen) for _ in range(2))
+    query = torch.randn(3, 4, 16, generator=gen)  # MQA: 4 query heads on 1 KV head
+    tables = torch.randperm(20, generator=gen)[:18].view(3, 6)
+    seq_lens = torch.tensor([45, 3, 48])
+    got = kernels.paged_decode_attention(query, _keys(k_cache), v_cache, tables, seq_lens, 0.25,
+                                         window=window, num_splits=num_splits)
+    for r in range(3):
+        keys = k_cache[tables[r]].reshape(-1, 16)[: seq_lens[r]].double()
+        vals = v_cache[tables[r]].reshape(-1, 16)[: seq_lens[r]].double()
+        if window is not None:
+            keys, vals = keys[-window:], vals[-window:]
+        probs = (query[r].double() @ keys.T * 0.25).softmax(-1)
+        torch.testing.assert_close(got[r].double(), probs @ vals, atol=1e-5, rtol=0)
+
+
+def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    long_seq = torch.tensor([4096])
+    assert native._decode_splits(8, long_seq) == 1  # 8 tasks fill 8 threads
+    assert native._decode_splits(1, long_seq) == 16  # 2 work items per thread
+    assert native._decode_splits(1, torch.tensor([600])) == 2  # >= 256 keys per split
+    assert native._decode_splits(2, torch.tensor([100])) == 1
+
+
 def test_bad_arguments_are_refused(kernels):
     gen = torch.Generator().manual_seed(0)
     k_cache = _cache(2, 1, 4, 16, torch.float32, gen)
@@ -111,6 +141,9 @@ def test_bad_arguments_are_refused(kernels):
         kernels.paged_decode_attention(query.bfloat16(), _keys(k_cache), k_cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="int64"):
         kernels.paged_decode_attention(query, _keys(k_cache), k_cache, tables.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.paged_decode_attention(query, _keys(k_cache), k_cache, tables, lens, 1.0,
+                                       num_splits=0)
     with pytest.raises(ValueError, match="do not hold"):  # K not transposed
         kernels.paged_decode_attention(query, k_cache, k_cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="refused"):  # head size 24: not a multiple of 16

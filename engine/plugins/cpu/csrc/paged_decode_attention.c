@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_math.h"
@@ -32,6 +33,7 @@
 #define PREFETCH_BLOCKS 4 /* how many blocks ahead K/V rows are prefetched */
 #define MAX_HEAD_SIZE 512
 #define MAX_GROUP 64
+#define MAX_SPLITS 64 /* key ranges per task (flash-decoding) */
 #define MAX_GROUP_ELEMS 8192 /* padded group * head_size: per-thread scratch */
 
 /* 16-lane vectors (GCC/Clang vector extensions: portable, split into whatever width the
@@ -48,7 +50,7 @@ static inline vlane lane_ids(void) {
 }
 
 /* lanes of `a` where `mask` is set, `b` elsewhere */
-static inline vfloat select(vlane mask, vfloat a, float b) {
+static inline vfloat select_lanes(vlane mask, vfloat a, float b) {
     const vfloat fill = a * 0.0f + b;
     vu32 ua, ub;
     memcpy(&ua, &a, sizeof ua);
@@ -111,7 +113,7 @@ static inline vfloat vexp_nonpositive(vfloat x) {
     memcpy(&bits, &p, sizeof bits);
     bits += (vu32)(__builtin_convertvector(n, vlane) << 23);
     memcpy(&p, &bits, sizeof p);
-    return select(x > -87.0f, p, 0.0f);
+    return select_lanes(x > -87.0f, p, 0.0f);
 }
 
 /* Ask for one (block, kv head) row of K and of V, 64 bytes at a time. */
@@ -126,12 +128,14 @@ static inline __attribute__((always_inline)) void prefetch_row(
     }
 }
 
-/* One (request, kv head) task: the online softmax over keys [first, seq_len). */
+/* One (request, kv head) task over keys [first, seq_len): per query head of the group,
+ * the running maximum, the sum of exponentials and the unnormalized weighted values
+ * (out_acc: group x head_size), so partial results over key ranges can be merged. */
 static inline __attribute__((always_inline)) void attend_task(
     const void *q, int64_t q_index, int64_t q_head_stride,
     const void *k_cache, const void *v_cache, const int64_t *blocks,
     int64_t first, int64_t seq_len, int64_t head_row, int64_t block_stride,
-    void *out, int64_t out_index, int group, int head_size, int block_size,
+    float *out_max, float *out_sum, float *out_acc, int group, int head_size, int block_size,
     const int dtype, float scale, float soft_cap)
 {
     const int padded_group = (group + HEADS - 1) / HEADS * HEADS;
@@ -182,13 +186,13 @@ static inline __attribute__((always_inline)) void attend_task(
                 vfloat sc = scores[c];
                 if (soft_cap > 0.0f)
                     for (int l = 0; l < n; l++) sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
-                sc = select(valid, sc, -INFINITY);
+                sc = select_lanes(valid, sc, -INFINITY);
                 float block_max = sc[0];
                 for (int l = 1; l < SLICE; l++) block_max = sc[l] > block_max ? sc[l] : block_max;
                 const float new_max = block_max > row_max[g] ? block_max : row_max[g];
                 correction[c] = exp_nonpositive(row_max[g] - new_max);
                 row_max[g] = new_max;
-                const vfloat p = select(valid, vexp_nonpositive(sc - new_max), 0.0f);
+                const vfloat p = select_lanes(valid, vexp_nonpositive(sc - new_max), 0.0f);
                 float total = 0.0f;
                 for (int l = 0; l < SLICE; l++) total += p[l];
                 row_sum[g] = row_sum[g] * correction[c] + total;
@@ -218,34 +222,89 @@ static inline __attribute__((always_inline)) void attend_task(
         }
         start = end;
     }
+    memcpy(out_max, row_max, sizeof(float) * group);
+    memcpy(out_sum, row_sum, sizeof(float) * group);
+    memcpy(out_acc, acc, sizeof(float) * group * head_size);
+}
+
+/* out[g] = (sum_s acc_s[g] e^(max_s[g] - M)) / (sum_s sum_s[g] e^(max_s[g] - M)), M the
+ * largest max_s[g]: the softmax over the union of the splits' key ranges. */
+static inline __attribute__((always_inline)) void merge_and_store(
+    const float *parts, int num_parts, int64_t part_stride, int group, int head_size,
+    void *out, int64_t out_index, const int dtype)
+{
     for (int g = 0; g < group; g++) {
-        const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
-        for (int i = 0; i < head_size; i++)
-            store_at(out, out_index + (int64_t)g * head_size + i, dtype,
-                     acc[g * head_size + i] * inv);
+        float top = -INFINITY;
+        for (int p = 0; p < num_parts; p++) {
+            const float m = parts[p * part_stride + g];
+            top = m > top ? m : top;
+        }
+        float total = 0.0f, weights[MAX_SPLITS];
+        for (int p = 0; p < num_parts; p++) {
+            const float *part = parts + p * part_stride;
+            weights[p] = part[group + g] > 0.0f ? exp_nonpositive(part[g] - top) : 0.0f;
+            total += part[group + g] * weights[p];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int i = 0; i < head_size; i++) {
+            float value = 0.0f;
+            for (int p = 0; p < num_parts; p++)
+                value += parts[p * part_stride + 2 * group + g * head_size + i] * weights[p];
+            store_at(out, out_index + (int64_t)g * head_size + i, dtype, value * inv);
+        }
     }
 }
 
+/*
+ * One copy per dtype (the dtype a literal inside the OpenMP regions, so the slice loops
+ * vectorize for it). Work items are (request, kv head, key split): with num_splits > 1
+ * each task's keys are cut into that many ranges (flash-decoding), so a batch with fewer
+ * tasks than threads still keeps every thread busy; the partial softmaxes are then
+ * merged per task. Returns 0, or -1 when the scratch memory cannot be had.
+ */
 #define DEFINE_DECODE(NAME, DTYPE)                                                           \
-    static void NAME(const void *q, int64_t q_req_stride, int64_t q_head_stride,             \
-                     const void *k_cache, const void *v_cache, const int64_t *block_tables, \
-                     int64_t bt_stride, const int64_t *seq_lens, void *out, int num_reqs,   \
-                     int num_heads, int num_kv_heads, int head_size, int block_size,        \
-                     float scale, int window, float soft_cap) {                             \
+    static int NAME(const void *q, int64_t q_req_stride, int64_t q_head_stride,              \
+                    const void *k_cache, const void *v_cache, const int64_t *block_tables,  \
+                    int64_t bt_stride, const int64_t *seq_lens, void *out, int num_reqs,    \
+                    int num_heads, int num_kv_heads, int head_size, int block_size,         \
+                    float scale, int window, float soft_cap, int num_splits) {              \
         const int group = num_heads / num_kv_heads;                                          \
         const int64_t row_len = (int64_t)block_size * head_size;                             \
         const int num_tasks = num_reqs * num_kv_heads;                                       \
+        const int64_t part_stride = (int64_t)group * (head_size + 2);                        \
+        float *parts = malloc(sizeof(float) * part_stride * num_tasks * num_splits);         \
+        if (parts == NULL) return -1;                                                        \
         _Pragma("omp parallel for schedule(static)")                                         \
-        for (int task = 0; task < num_tasks; task++) {                                       \
+        for (int item = 0; item < num_tasks * num_splits; item++) {                          \
+            const int task = item / num_splits, split = item % num_splits;                   \
             const int r = task / num_kv_heads, kvh = task % num_kv_heads;                    \
             const int64_t seq_len = seq_lens[r];                                             \
             const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;  \
+            const int64_t span = (seq_len - first + num_splits - 1) / num_splits;            \
+            const int64_t lo = first + split * span;                                         \
+            const int64_t hi = lo + span < seq_len ? lo + span : seq_len;                    \
+            float *part = parts + (int64_t)item * part_stride;                               \
+            if (lo >= hi) { /* an empty range: contributes nothing to the merge */           \
+                for (int g = 0; g < group; g++) part[g] = -INFINITY, part[group + g] = 0.0f; \
+                memset(part + 2 * group, 0, sizeof(float) * group * head_size);              \
+                continue;                                                                    \
+            }                                                                                \
             attend_task(q, r * q_req_stride + (int64_t)kvh * group * q_head_stride,          \
                         q_head_stride, k_cache, v_cache, block_tables + r * bt_stride,       \
-                        first, seq_len, kvh * row_len, num_kv_heads * row_len, out,          \
-                        ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, group,  \
-                        head_size, block_size, DTYPE, scale, soft_cap);                      \
+                        lo, hi, kvh * row_len, num_kv_heads * row_len, part, part + group,   \
+                        part + 2 * group, group, head_size, block_size, DTYPE, scale,        \
+                        soft_cap);                                                           \
         }                                                                                    \
+        _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                      \
+        for (int task = 0; task < num_tasks; task++) {                                       \
+            const int r = task / num_kv_heads, kvh = task % num_kv_heads;                    \
+            merge_and_store(parts + (int64_t)task * num_splits * part_stride, num_splits,    \
+                            part_stride, group, head_size, out,                              \
+                            ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size,     \
+                            DTYPE);                                                          \
+        }                                                                                    \
+        free(parts);                                                                         \
+        return 0;                                                                            \
     }
 
 DEFINE_DECODE(decode_f32, DTYPE_F32)
@@ -266,7 +325,7 @@ int paged_decode_attention(
     const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
-    int block_size, int dtype, float scale, int window, float soft_cap)
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits)
 {
     if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % SLICE != 0 ||
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
@@ -274,22 +333,23 @@ int paged_decode_attention(
         return -1;
     const int group = num_heads / num_kv_heads;
     if ((group + HEADS - 1) / HEADS * HEADS * head_size > MAX_GROUP_ELEMS) return -1;
+    if (num_splits < 1 || num_splits > MAX_SPLITS) return -1;
     switch (dtype) {
     case DTYPE_F32:
-        decode_f32(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride,
+        return decode_f32(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
+                          bt_stride,
                    seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap);
-        return 0;
+                   scale, window, soft_cap, num_splits);
     case DTYPE_BF16:
-        decode_bf16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride,
+        return decode_bf16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
+                          bt_stride,
                     seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                    scale, window, soft_cap);
-        return 0;
+                    scale, window, soft_cap, num_splits);
     case DTYPE_F16:
-        decode_f16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride,
+        return decode_f16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
+                          bt_stride,
                    seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap);
-        return 0;
+                   scale, window, soft_cap, num_splits);
     default:
         return -1;
     }
