@@ -1,4 +1,5 @@
-"""Paged attention on the CPU with plain torch ops (SDPA and advanced indexing).
+"""Paged attention on the CPU: the plugin's C kernel for decodes, torch ops (SDPA and
+index_select gathers) for prefill chunks and wherever the C kernel is unavailable.
 
 Cache layout (one tensor per layer)::
 
