@@ -31,6 +31,9 @@ class ModelConfig(BaseModel):
     seed: int = 0
     revision: str | None = None
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never needed
+    # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a
+    # directory holding a generation_config.json (engine.core.sampling_defaults).
+    generation_config: str = "auto"
 
     @property
     def tokenizer_path(self) -> str:

@@ -73,6 +73,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
+    generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -91,6 +92,7 @@ class EngineArgs:
         return resolve_model_source(self.model), self.served_model_name or self.model
 
     def create_engine_config(self) -> EngineConfig:
+        from engine.core.sampling_defaults import load_sampling_defaults
         from engine.model_executor.model_loader import (
             get_max_model_len,
             load_model_files,
@@ -99,6 +101,7 @@ class EngineArgs:
 
         path, served_name = self.resolved_model_path()
         files = load_model_files(path)
+        load_sampling_defaults(path, self.generation_config)  # a bad value fails here
         dtype = resolve_dtype(files.hf_config, self.dtype)
         max_model_len = get_max_model_len(files.hf_config, self.max_model_len)
         budget = self.max_num_batched_tokens
@@ -113,6 +116,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
+                generation_config=self.generation_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

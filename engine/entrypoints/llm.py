@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
+from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
@@ -25,9 +29,20 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        model_config = self.llm_engine.config.model
+        self.sampling_defaults = load_sampling_defaults(
+            model_config.model, model_config.generation_config
+        )
+        if note := self.sampling_defaults.describe():
+            logger.info("%s (used when generate/chat get no sampling params)", note)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` use when given no sampling params: the model's
+        generation_config.json values (``generation_config="vllm"``: plain defaults)."""
+        return self.sampling_defaults.sampling_params()
 
     # -- generation -----------------------------------------------------------------------
     def generate(
@@ -49,6 +64,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(
@@ -138,10 +155,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _broadcast_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

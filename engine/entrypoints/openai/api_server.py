@@ -150,6 +150,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")
     state = ServerState(engine, settings, metrics, pool)
     completions = OpenAIServingCompletion(state)
+    if note := completions.sampling_defaults.describe():
+        logger.info("%s (requests that set a field override it)", note)
     chat = OpenAIServingChat(state)
     tokenization = OpenAIServingTokenization(state)
 

@@ -32,6 +32,7 @@ from engine.core.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from engine.core.sampling_defaults import SAMPLING_FIELDS, load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.tokenizer import TokenDecoder
 from engine.entrypoints.openai.errors import (
@@ -126,6 +127,11 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.tokenize_pool = state.tokenize_pool
+        model_config = engine.config.model
+        # The model's generation_config.json values fill the fields a request leaves unset.
+        self.sampling_defaults = load_sampling_defaults(
+            model_config.model, model_config.generation_config
+        )
 
     # -- checks ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -171,8 +177,10 @@ class OpenAIServing:
                 f"your request has {prompt_len} input tokens. Please reduce the length of the "
                 "input messages.", "messages" if param == "max_completion_tokens" else "prompt")
         room = self.max_model_len - prompt_len
-        if requested is None:
-            return room if limit is None else min(room, limit)
+        if requested is None:  # the room left, capped by the model's max_new_tokens
+            default = self.sampling_defaults.max_tokens
+            caps = [c for c in (room, limit, default) if c is not None and c > 0]
+            return min(caps)
         if requested > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -220,16 +228,12 @@ class OpenAIServing:
         if n > max_seqs:
             raise bad_request(f"n={n} exceeds this server's limit of {max_seqs} (max_num_seqs)",
                               "n")
+        defaults = self.sampling_defaults
         options: dict[str, Any] = {
             "n": n,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
-            "top_k": 0 if request.top_k is None else request.top_k,
-            "min_p": 0.0 if request.min_p is None else request.min_p,
+            **{name: defaults.value(name, getattr(request, name)) for name in SAMPLING_FIELDS},
             "presence_penalty": request.presence_penalty or 0.0,
             "frequency_penalty": request.frequency_penalty or 0.0,
-            "repetition_penalty": (1.0 if request.repetition_penalty is None
-                                   else request.repetition_penalty),
             "seed": request.seed,
             "stop": request.stop,
             "stop_token_ids": request.stop_token_ids,

@@ -443,6 +443,25 @@ def test_non_streaming_client_disconnect_aborts(server):
     assert _metric(text, "engine:kv_cache_usage_perc") == 0
 
 
+def test_generation_config_fills_unset_fields(start_server, tmp_path_factory):
+    """--generation-config DIR: its values stand in for fields a request leaves unset
+    (temperature 0 here, so the reply is greedy) and max_new_tokens caps max_tokens."""
+    defaults = tmp_path_factory.mktemp("generation-config")
+    (defaults / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    server = start_server("--generation-config", str(defaults))
+    with_defaults = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=60)
+    kwargs = {"model": SERVED_NAME, "messages": MESSAGES, "extra_body": {"ignore_eos": True}}
+    reply = with_defaults.chat.completions.create(**kwargs)
+    assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
+    greedy = with_defaults.chat.completions.create(temperature=0, max_completion_tokens=5,
+                                                   **kwargs)
+    assert reply.choices[0].message.content == greedy.choices[0].message.content
+    longer = with_defaults.chat.completions.create(max_completion_tokens=7, **kwargs)
+    assert longer.usage.completion_tokens == 7  # a request's own max_tokens wins
+
+
 def test_sigterm_ends_in_flight_stream_cleanly(server):
     """Runs last (it stops the server). With a 0 s grace period, SIGTERM aborts the
     in-flight stream through the engine: it still ends with finish chunks and [DONE], and
@@ -463,3 +482,4 @@ def test_sigterm_ends_in_flight_stream_cleanly(server):
     assert finishes == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
     server.proc.wait(30)
     server.assert_no_orphans()
+
