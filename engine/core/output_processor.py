@@ -211,10 +211,13 @@ class _RequestState:
             )
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.new_token_ids:
-            if self.metrics.first_token_time is None:
-                self.metrics.first_token_time = now
-            self.metrics.last_token_time = now
-            self.metrics.num_generation_tokens += len(output.new_token_ids)
+            metrics = self.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            elif now > metrics.last_token_time:  # the step's first child (n > 1 share it)
+                metrics.inter_token_latencies.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += len(output.new_token_ids)
 
     def make_output(self, changed: set[int], now: float) -> RequestOutput | None:
         finished = self.finished

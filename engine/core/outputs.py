@@ -7,7 +7,7 @@ no preceding context to score it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PositionLogprobs = dict[int, "Logprob"]
 
@@ -54,6 +54,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    # Seconds between consecutive steps that gave the request tokens (one entry per step
+    # after the first): the inter-token latency histogram observes each.
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:

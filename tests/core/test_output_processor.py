@@ -211,6 +211,21 @@ def _collect(tok, proc, kind, n=1):
     return results, texts[:n], streams
 
 
+def test_inter_token_latencies_are_one_per_step(tok, proc, monkeypatch):
+    """n=3 children share each step: one latency per step after the first, measured
+    between the steps' clocks (not one mean per request)."""
+    ticks = itertools.count()
+    monkeypatch.setattr("engine.core.output_processor.time.monotonic",
+                        lambda: 0.25 * next(ticks) ** 2)  # uneven gaps
+    results, _, streams = _collect(tok, proc, RequestOutputKind.FINAL_ONLY, n=3)
+    metrics = results[-1].metrics
+    gaps = metrics.inter_token_latencies
+    assert len(gaps) == max(map(len, streams)) - 1 and all(g > 0 for g in gaps)
+    assert len(set(gaps)) > 1  # each step's own gap, not a mean
+    assert sum(gaps) == pytest.approx(metrics.last_token_time - metrics.first_token_time)
+    assert metrics.num_generation_tokens == sum(map(len, streams))
+
+
 def test_delta_cumulative_final_only_agree(tok, proc):
     delta, texts, streams = _collect(tok, proc, RequestOutputKind.DELTA)
     cumulative, _, _ = _collect(tok, proc, RequestOutputKind.CUMULATIVE)

@@ -100,7 +100,7 @@ class ServerMetrics:
             labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.itl = Histogram(
             "engine:inter_token_latency_seconds",
-            "Mean time between consecutive tokens of a request (one observation per request).",
+            "Time between consecutive steps that gave a request tokens (one per step).",
             labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram(
             "engine:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
@@ -110,7 +110,7 @@ class ServerMetrics:
 
     # -- per request ----------------------------------------------------------------------
     def observe_request(self, metrics: RequestMetrics | None, prompt_tokens: int,
-                        finish_reasons: Iterable[str | None], num_samples: int = 1) -> None:
+                        finish_reasons: Iterable[str | None]) -> None:
         """Record one ended request (finished or aborted)."""
         self.prompt_tokens.inc(prompt_tokens)
         for reason in finish_reasons:
@@ -123,11 +123,8 @@ class ServerMetrics:
             self.ttft.observe(max(ttft, 0.0))
         if metrics.finished_time is not None:
             self.e2e.observe(max(metrics.finished_time - metrics.arrival_time, 0.0))
-        per_sample = metrics.num_generation_tokens / max(num_samples, 1)
-        if (metrics.first_token_time is not None and metrics.last_token_time is not None
-                and per_sample > 1):
-            gap = (metrics.last_token_time - metrics.first_token_time) / (per_sample - 1)
-            self.itl.observe(max(gap, 0.0))
+        for gap in metrics.inter_token_latencies:
+            self.itl.observe(gap)
 
     # -- scrape ---------------------------------------------------------------------------
     async def refresh(self, engine) -> None:

@@ -293,7 +293,7 @@ class OpenAIServing:
             self.state.in_flight.discard(job.request_id)
             n = job.params.n
             self.metrics.observe_request(last_metrics, len(job.prompt.token_ids),
-                                         [reasons.get(i, "abort") for i in range(n)], n)
+                                         [reasons.get(i, "abort") for i in range(n)])
 
     async def collect(self, job: GenerationJob) -> RequestOutput:
         """Run a FINAL_ONLY job to its single output."""

@@ -349,8 +349,12 @@ def test_tokenize_round_trip(http, hf_tokenizer):
 def test_metrics_after_requests(server, client):
     before = httpx.get(server.url + "/metrics").text
     prompts_before = _metric(before, "engine:prompt_tokens_total")
+    gaps_before = _metric(before, "engine:inter_token_latency_seconds_count")
     out = _greedy(client, PROMPT, max_tokens=4)
     text = httpx.get(server.url + "/metrics").text
+    # one inter-token latency per step after the first (a token per step here)
+    assert _metric(text, "engine:inter_token_latency_seconds_count") == (
+        gaps_before + out.usage.completion_tokens - 1)
     assert _metric(text, "engine:prompt_tokens_total") == prompts_before + out.usage.prompt_tokens
     assert _metric(text, "engine:generation_tokens_total") >= 4
     assert _metric(text, "engine:request_success_total", finished_reason="length") >= 1
