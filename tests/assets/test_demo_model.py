@@ -82,3 +82,8 @@ def test_built_wheel_contains_the_model_files(tmp_path):
     for sub in ("demo", "demo-draft"):
         for name in MODEL_FILES:
             assert f"engine/assets/{sub}/{name}" in names
+    # the CPU plugin's C kernels are built from these at run time
+    from engine.plugins.cpu.kernel_build import HEADERS, SOURCES
+
+    for name in (*SOURCES, *HEADERS):
+        assert f"engine/plugins/cpu/csrc/{name}" in names
