@@ -296,7 +296,8 @@ class CPUAttentionImpl(AttentionImpl):
 
 
 class CPUAttentionBackend(AttentionBackend):
-    """Torch-op paged attention for the CPU platform (any head size, block size, window)."""
+    """Paged attention for the CPU platform (any head size, block size, window): decodes
+    through the plugin's C kernel where it serves the layer, the rest with torch ops."""
 
     name: ClassVar[str] = "cpu"
 
