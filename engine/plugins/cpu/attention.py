@@ -108,6 +108,7 @@ class CPUAttentionMetadata:
     write_block: torch.Tensor  # int64 [W] block of each written row
     write_offset: torch.Tensor  # int64 [W] offset in block
     write_rows: torch.Tensor | None  # int64 [W] token rows written; None: all rows
+    slot_mapping: torch.Tensor  # int64 [T] every token's slot, -1: not written
     decode_rows: torch.Tensor | None  # int64 [Rd] token rows; None: every row, in order
     decode_seq_lens: torch.Tensor  # int64 [Rd]
     decode_block_tables: torch.Tensor  # int64 [Rd, M]
@@ -231,6 +232,10 @@ class CPUAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         md: CPUAttentionMetadata,
     ) -> None:
+        if self.kernels is not None and key.dtype == key_cache.dtype:
+            # K rows are [head_size, block_size] here: the C store puts a token in a column.
+            self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache)
+            return
         if md.write_rows is not None:
             key, value = key[md.write_rows], value[md.write_rows]
         if self.keys_transposed:  # K rows are [head_size, block_size]: a token is a column
@@ -353,6 +358,7 @@ class CPUAttentionBackend(AttentionBackend):
             )
 
         slots = batch.slot_mapping.to(device=self.device, dtype=torch.int64)[:num_tokens]
+        slot_mapping = slots.contiguous()
         valid = slots >= 0
         write_rows = None
         if not bool(valid.all()):
@@ -379,6 +385,7 @@ class CPUAttentionBackend(AttentionBackend):
             write_block=torch.div(slots, bs, rounding_mode="floor"),
             write_offset=slots % bs,
             write_rows=write_rows,
+            slot_mapping=slot_mapping,
             decode_rows=decode_rows,
             decode_seq_lens=self._tensor(seq_lens[decode_reqs]),
             decode_block_tables=block_tables.index_select(0, dec_idx),

@@ -50,6 +50,11 @@ class CPUKernels(FusedOps):
             _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
             _i32,  # num_splits
         ])
+        self._write_kv = _bind(lib.write_kv, [
+            _ptr, _i64, _i64, _ptr, _i64, _i64,  # key + strides, value + strides
+            _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
+            _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtype
+        ])
         self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                               _f32, _i32])
         self._silu_and_mul = _bind(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
@@ -108,6 +113,36 @@ class CPUKernels(FusedOps):
         _check(self._rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(),
                                  cos_sin_cache.data_ptr(), rows, width // head_size, head_size,
                                  DTYPE_CODES[x.dtype]), "rotary_neox")
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D], the caches' dtype, last dim contiguous
+        value: torch.Tensor,
+        slots: torch.Tensor,  # int64 [T], contiguous; -1: not written
+        key_cache: torch.Tensor,  # [num_blocks, Hkv, D, block_size] (transposed)
+        value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+    ) -> None:
+        """Store the step's new K/V rows at their slots (the layout the decode kernel
+        reads), in one call instead of two indexed stores."""
+        num_tokens, num_kv_heads, head_size = key.shape
+        block_size = value_cache.shape[2]
+        dtype = key_cache.dtype
+        if key.dtype != dtype or value.dtype != dtype or value_cache.dtype != dtype:
+            raise ValueError("new keys / values must have the caches' dtype")
+        if key.stride(2) != 1 or value.stride(2) != 1 or slots.dtype != torch.int64:
+            raise ValueError("K/V rows must be contiguous in the head dim and slots int64")
+        if tuple(value.shape) != tuple(key.shape) or not slots.is_contiguous():
+            raise ValueError("keys, values and slots must describe the same tokens")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("the KV cache must be contiguous")
+        status = self._write_kv(key.data_ptr(), key.stride(0), key.stride(1),
+                                value.data_ptr(), value.stride(0), value.stride(1),
+                                slots.data_ptr(), num_tokens, key_cache.data_ptr(),
+                                value_cache.data_ptr(), value_cache.shape[0], num_kv_heads,
+                                head_size, block_size, DTYPE_CODES[dtype])
+        if status != 0:
+            raise ValueError(f"a slot is outside the cache of {value_cache.shape[0]} blocks of "
+                             f"{block_size} (or below -1)")
 
     @staticmethod
     def supports_attention(spec) -> bool:

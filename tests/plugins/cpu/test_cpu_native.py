@@ -134,6 +134,24 @@ def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels, monk
     assert native._decode_splits(2, torch.tensor([100])) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_columns_of_k_and_rows_of_v(kernels, dtype):
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(4, 2, 16, 8, dtype=dtype)  # [blocks, kv_heads, D, block]
+    v_cache = torch.zeros(4, 2, 8, 16, dtype=dtype)  # [blocks, kv_heads, block, D]
+    qkv = torch.randn(3, 6 * 16, generator=gen).to(dtype)  # strided K and V views
+    key, value = qkv[:, 32:64].view(3, 2, 16), qkv[:, 64:].view(3, 2, 16)
+    slots = torch.tensor([9, -1, 31])  # block 1 offset 1; skipped; block 3 offset 7
+    kernels.write_kv(key, value, slots, k_cache, v_cache)
+    for t, (block, offset) in ((0, (1, 1)), (2, (3, 7))):
+        torch.testing.assert_close(k_cache[block, :, :, offset], key[t], atol=0, rtol=0)
+        torch.testing.assert_close(v_cache[block, :, offset], value[t], atol=0, rtol=0)
+    assert int((k_cache != 0).sum()) == int((v_cache != 0).sum()) == 2 * 2 * 16
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.write_kv(key, value, torch.tensor([0, 1, 32]), k_cache, v_cache)
+    assert int((k_cache != 0).sum()) == 2 * 2 * 16  # a refused batch writes nothing
+
+
 def test_bad_arguments_are_refused(kernels):
     gen = torch.Generator().manual_seed(0)
     k_cache = _cache(2, 1, 4, 16, torch.float32, gen)

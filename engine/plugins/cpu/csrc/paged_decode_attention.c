@@ -354,3 +354,40 @@ int paged_decode_attention(
         return -1;
     }
 }
+
+/*
+ * Write the step's new keys and values into the paged cache: token t goes to slot
+ * slots[t] (block slots[t] / block_size, offset slots[t] % block_size); a slot of -1
+ * is skipped (any slot outside the cache: nothing is written, -1 is returned). K rows
+ * are stored transposed ([head_size][block_size]: the token is one
+ * column), V rows token-major. key / value: [num_tokens, num_kv_heads, head_size] with
+ * the given token and head strides (slices of a fused projection), the cache's dtype.
+ */
+int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
+             const void *value, int64_t v_tok_stride, int64_t v_head_stride,
+             const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
+             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype)
+{
+    if (head_size <= 0 || num_kv_heads <= 0 || block_size <= 0) return -1;
+    for (int64_t t = 0; t < num_tokens; t++) /* nothing is written unless every slot fits */
+        if (slots[t] >= num_blocks * block_size || slots[t] < -1) return -1;
+    const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t row_len = (int64_t)block_size * head_size;
+#pragma omp parallel for if (num_tokens >= 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t row = (block * num_kv_heads + h) * row_len;
+            const char *k = (const char *)key + (t * k_tok_stride + h * k_head_stride) * size;
+            char *k_dst = (char *)k_cache + (row + offset) * size;
+            for (int d = 0; d < head_size; d++)
+                memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
+            memcpy((char *)v_cache + (row + offset * head_size) * size,
+                   (const char *)value + (t * v_tok_stride + h * v_head_stride) * size,
+                   (size_t)(head_size * size));
+        }
+    }
+    return 0;
+}
