@@ -16,9 +16,10 @@ block_size, offset = s % block_size)``.
 
 Per layer, :meth:`CPUAttentionImpl.forward`:
 
-1. writes every new K/V row of the step into the cache in one indexed store (rows whose
-   slot is -1 are skipped) -- before any attention, so a request may read blocks that
-   another request of the same batch filled this step (prefix caching relies on it);
+1. writes every new K/V row of the step into the cache in one store (the C ``write_kv``
+   where the kernels run, else indexed stores; rows whose slot is -1 are skipped) --
+   before any attention, so a request may read blocks that another request of the same
+   batch filled this step (prefix caching relies on it);
 2. attends for all single-token requests ("decodes") at once, through the C kernel of
    :mod:`engine.plugins.cpu.native` when it could be built and serves the layer (it
    reads the blocks in place); otherwise with torch ops: their blocks are gathered
