@@ -26,20 +26,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+/* The exponential's arithmetic, shared by the scalar exp_nonpositive and the 16-lane
+ * vexp_nonpositive (GCC vector types take the same operators): n = round(x / ln2),
+ * rounded to nearest through the float adder (1.5 * 2^23, no libm call); r = x - n ln2
+ * in two parts; exp(r) by its degree-7 polynomial. */
+#define EXP_ROUND(x) (((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f)
+#define EXP_REDUCE(x, n) ((x) - (n) * 0.693145751953125f - (n) * 1.42860682030941723212e-6f)
+#define EXP_POLY(r)                                                                         \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) +     \
+        4.1665795894e-2f) * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + \
+     (r) + 1.0f)
+
 /* exp(x) for x <= 0 (softmax arguments): 2^n * p(r), |r| <= ln2 / 2, within ~2 ulp;
  * branch-free so loops over it vectorize. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    /* round to nearest through the float adder (1.5 * 2^23): no libm call */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float n = EXP_ROUND(x);
+    const float r = EXP_REDUCE(x, n);
+    float p = EXP_POLY(r);
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
     bits += (int32_t)n << 23;

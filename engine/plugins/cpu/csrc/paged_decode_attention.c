@@ -101,14 +101,9 @@ static inline __attribute__((always_inline)) vfloat load_keys(const void *base, 
 /* exp_nonpositive on every lane */
 static inline vfloat vexp_nonpositive(vfloat x) {
     for (int l = 0; l < SLICE; l++) x[l] = x[l] < -87.0f ? -87.0f : x[l];
-    const vfloat n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vfloat r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-    vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vfloat n = EXP_ROUND(x);
+    const vfloat r = EXP_REDUCE(x, n);
+    vfloat p = EXP_POLY(r);
     vu32 bits;
     memcpy(&bits, &p, sizeof bits);
     bits += (vu32)(__builtin_convertvector(n, vlane) << 23);
