@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engine as engine_pkg
 from engine.core.errors import EngineDeadError
+from engine.core.sampling_defaults import load_sampling_defaults
 from engine.entrypoints.openai.errors import APIError, bad_request, engine_dead, error_body
 from engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from engine.entrypoints.openai.protocol import (
@@ -148,10 +149,12 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     model_name = settings.served_model_name or engine.model_name
     metrics = ServerMetrics(model_name)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")
-    state = ServerState(engine, settings, metrics, pool)
-    completions = OpenAIServingCompletion(state)
-    if note := completions.sampling_defaults.describe():
+    model_config = engine.config.model
+    defaults = load_sampling_defaults(model_config.model, model_config.generation_config)
+    if note := defaults.describe():
         logger.info("%s (requests that set a field override it)", note)
+    state = ServerState(engine, settings, metrics, pool, sampling_defaults=defaults)
+    completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     tokenization = OpenAIServingTokenization(state)
 

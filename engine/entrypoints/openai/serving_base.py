@@ -32,7 +32,7 @@ from engine.core.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from engine.core.sampling_defaults import SAMPLING_FIELDS, load_sampling_defaults
+from engine.core.sampling_defaults import SAMPLING_FIELDS, SamplingDefaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.tokenizer import TokenDecoder
 from engine.entrypoints.openai.errors import (
@@ -84,6 +84,8 @@ class ServerState:
     metrics: ServerMetrics
     tokenize_pool: ThreadPoolExecutor | None = None
     in_flight: set[str] = field(default_factory=set)  # engine request ids now generating
+    # The model's generation_config.json values fill the fields a request leaves unset.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     async def abort_in_flight(self) -> int:
         """End every generating request (its response finishes with reason "abort")."""
@@ -127,11 +129,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         self.tokenize_pool = state.tokenize_pool
-        model_config = engine.config.model
-        # The model's generation_config.json values fill the fields a request leaves unset.
-        self.sampling_defaults = load_sampling_defaults(
-            model_config.model, model_config.generation_config
-        )
+        self.sampling_defaults = state.sampling_defaults
 
     # -- checks ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
