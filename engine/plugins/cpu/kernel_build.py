@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("paged_decode_attention.c", "elementwise.c")
+SOURCES = ("paged_decode_attention.c", "elementwise.c", "gemm_bf16.c")
 HEADERS = ("cpu_math.h",)
 CFLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast",
@@ -39,6 +39,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
 def cache_dirs() -> list[Path]:

@@ -61,6 +61,12 @@ class CPUKernels(FusedOps):
         self._argmax = _bind(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
         self._rotary_neox = _bind(lib.rotary_neox, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                                     _i32])
+        self._pack_bf16 = _bind(lib.pack_bf16_vnni, [_ptr, _i64, _i64, _ptr])
+        self._gemm_bf16 = _bind(lib.gemm_bf16_vnni, [
+            _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weight, bias (or NULL)
+            _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
+        ])
+        self.has_bf16_gemm = bool(_bind(lib.gemm_bf16_available, [])())
 
     # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
     def supports(self, dtype: torch.dtype) -> bool:
@@ -143,6 +149,50 @@ class CPUKernels(FusedOps):
         if status != 0:
             raise ValueError(f"a slot is outside the cache of {value_cache.shape[0]} blocks of "
                              f"{block_size} (or below -1)")
+
+    # -- bf16 GEMM (CPUs with AVX512-BF16) -------------------------------------------------
+    @staticmethod
+    def bf16_gemm_refusal(out_features: int, in_features: int) -> str | None:
+        """None if :meth:`pack_bf16` / :meth:`gemm_bf16` take a weight of this shape."""
+        if out_features % 16 or in_features % 2:
+            return (f"a [{out_features}, {in_features}] weight: the bf16 GEMM needs out "
+                    "features in multiples of 16 and an even number of in features")
+        return None
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` (bf16) in the GEMM's panel layout: a flat tensor of N x K
+        values (see csrc/gemm_bf16.c), not a matrix."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"pack_bf16 takes a 2-D bfloat16 weight, not {weight.dtype}")
+        weight = weight.contiguous()
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        n, k = weight.shape
+        _check(self._pack_bf16(weight.data_ptr(), n, k, packed.data_ptr()), "pack_bf16")
+        return packed
+
+    def gemm_bf16(
+        self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [..., K] @ W.T (+ bias)`` with ``packed`` from :meth:`pack_bf16`."""
+        k = x.shape[-1]
+        if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or not k:
+            raise ValueError(f"gemm_bf16 takes bfloat16 inputs, not {x.dtype}")
+        if packed.numel() % k:
+            raise ValueError(f"a packed weight of {packed.numel()} values has no rows of {k}")
+        n = packed.numel() // k
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
+        rows = x.reshape(-1, k)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+        if rows.shape[0]:
+            ldx = rows.stride(0) if rows.shape[0] > 1 else k  # one row: any stride is fine
+            _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(),
+                                   bias.data_ptr() if bias is not None else None,
+                                   out.data_ptr(), n, rows.shape[0], n, k), "gemm_bf16")
+        return out.view(*x.shape[:-1], n)
 
     @staticmethod
     def supports_attention(spec) -> bool:

@@ -189,9 +189,9 @@ class CPUPlatform(Platform):
         return backends
 
     def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
-        from engine.plugins.cpu.gemm import OneDNNPackedGemm
+        from engine.plugins.cpu.gemm import AVX512BF16Gemm, OneDNNPackedGemm
 
-        return [OneDNNPackedGemm]
+        return [AVX512BF16Gemm, OneDNNPackedGemm]
 
     def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""

@@ -1,5 +1,5 @@
-"""The CPU platform's prepacked oneDNN GEMM against a float64 reference, and the
-packing pass that hands it the model's unquantized linears."""
+"""The CPU platform's GEMMs (the AVX512-BF16 C kernel, prepacked oneDNN) against a
+float64 reference, and the packing pass that hands them the model's unquantized linears."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from engine.model_executor.layers.linear import (
     ReplicatedLinear,
     pack_dense_weights,
 )
-from engine.plugins.cpu.gemm import OneDNNPackedGemm
+from engine.plugins.cpu import gemm as cpu_gemm
+from engine.plugins.cpu.gemm import AVX512BF16Gemm, OneDNNPackedGemm
 from engine.plugins.cpu.platform import CPUPlatform
 
 CPU = torch.device("cpu")
@@ -24,8 +25,82 @@ def _spec(dtype: torch.dtype) -> DenseLayerSpec:
     return DenseLayerSpec(in_features=8, out_features=4, dtype=dtype, device=CPU)
 
 
-def test_cpu_platform_offers_the_packed_gemm():
-    assert CPUPlatform().dense_gemm_kernels() == [OneDNNPackedGemm]
+def test_cpu_platform_prefers_its_own_bf16_gemm_then_onednn():
+    assert CPUPlatform().dense_gemm_kernels() == [AVX512BF16Gemm, OneDNNPackedGemm]
+
+
+def _bf16_gemm() -> AVX512BF16Gemm:
+    reason = AVX512BF16Gemm.can_implement(DenseLayerSpec(64, 64, torch.bfloat16, CPU))
+    if reason is not None:
+        pytest.skip(reason)
+    return AVX512BF16Gemm()
+
+
+def _bf16_reference(x, weight, bias):
+    """float64 product, then what one rounding to bf16 may move it by."""
+    ref = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    return ref, ref.abs() * 2.0**-8 + 1e-3
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 5, 6, 7, 48, 53, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 2), (96, 80), (208, 130)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_matches_float64(num_tokens, out_features, in_features, with_bias):
+    """Every register block height (1-6 rows, several row chunks) and panel width
+    (208 = three full panels of 64 and one of 16; 96 = 64 + 32)."""
+    kernel = _bf16_gemm()
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(num_tokens, in_features, generator=gen).bfloat16()
+    y = kernel.apply(kernel.prepare(weight), x, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, out_features)
+    ref, tol = _bf16_reference(x, weight, bias)
+    assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+def test_bf16_gemm_reads_strided_and_batched_inputs():
+    kernel = _bf16_gemm()
+    weight = torch.randn(48, 64).bfloat16()
+    packed = kernel.prepare(weight)
+    wide = torch.randn(9, 3 * 64).bfloat16()
+    x = wide[:, 64:128]  # a column slice of a fused projection's output
+    ref, tol = _bf16_reference(x, weight, None)
+    assert bool(((kernel.apply(packed, x).double() - ref).abs() <= tol).all())
+    batched = torch.randn(2, 3, 64).bfloat16()
+    y = kernel.apply(packed, batched)
+    ref, tol = _bf16_reference(batched.reshape(6, 64), weight, None)
+    assert y.shape == (2, 3, 48)
+    assert bool(((y.reshape(6, 48).double() - ref).abs() <= tol).all())
+    single = wide[4:5, 64:128]  # one row: its row stride does not matter
+    ref, tol = _bf16_reference(single, weight, None)
+    assert bool(((kernel.apply(packed, single).double() - ref).abs() <= tol).all())
+
+
+def test_bf16_gemm_refuses_what_it_cannot_run(monkeypatch):
+    def spec(out_features=64, in_features=64, dtype=torch.bfloat16, device=CPU):
+        return DenseLayerSpec(in_features, out_features, dtype, device)
+
+    assert "bf16 only" in AVX512BF16Gemm.can_implement(spec(dtype=torch.float32))
+    assert "not the CPU" in AVX512BF16Gemm.can_implement(spec(device=torch.device("meta")))
+    kernel = _bf16_gemm()
+    assert "multiples of 16" in AVX512BF16Gemm.can_implement(spec(out_features=40))
+    assert "even number" in AVX512BF16Gemm.can_implement(spec(in_features=33))
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel.prepare(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="refused"):
+        kernel.prepare(torch.randn(20, 8).bfloat16())
+    packed = kernel.prepare(torch.randn(16, 8).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel.apply(packed, torch.randn(2, 8))
+    with pytest.raises(ValueError, match="no rows of 6"):
+        kernel.apply(packed, torch.randn(2, 6).bfloat16())
+    with pytest.raises(ValueError, match="bias"):
+        kernel.apply(packed, torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
+    # An AMX CPU runs oneDNN's AMX GEMM instead, several times faster at prefill sizes.
+    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset(
+        {"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert "AMX" in AVX512BF16Gemm.can_implement(spec())
 
 
 def test_packed_gemm_refuses_what_it_cannot_run():
