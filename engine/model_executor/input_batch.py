@@ -104,8 +104,10 @@ class InputBatch:
     # -- step preparation -----------------------------------------------------------------
     def prepare_step(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepIndices:
         """Flatten the scheduled requests into one token batch, all in numpy."""
-        bs = self.block_size
         num_scheduled = num_scheduled.astype(np.int32)
+        if bool((num_scheduled == 1).all()):  # one token per request: a decode step
+            return self._decode_step(rows, num_scheduled)
+        bs = self.block_size
         cu = np.cumsum(num_scheduled, dtype=np.int64)
         total = int(cu[-1])
         starts = cu - num_scheduled
@@ -115,27 +117,50 @@ class InputBatch:
         offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(starts, num_scheduled)
         computed = self.num_computed_tokens[rows]
         positions = np.repeat(computed, num_scheduled) + offset_in_req
-        input_ids = self.token_ids[token_row, positions]
-        block_idx = positions // bs
-        slot_mapping = self.block_table[token_row, block_idx].astype(np.int64) * bs + positions % bs
         seq_lens = (computed + num_scheduled).astype(np.int32)
+        sample_batch_idx = np.flatnonzero(seq_lens >= self.num_tokens[rows])
+        return self._step_indices(
+            rows, num_scheduled, query_start_loc, token_row, positions, seq_lens,
+            sample_batch_idx, logits_indices=cu[sample_batch_idx] - 1,
+        )
+
+    def _decode_step(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepIndices:
+        """``prepare_step`` when every request has exactly one new token: token ``i`` is
+        request ``i``, so the flattening arithmetic drops out."""
+        positions = self.num_computed_tokens[rows]
+        seq_lens = (positions + 1).astype(np.int32)
+        sample_batch_idx = np.flatnonzero(seq_lens >= self.num_tokens[rows])
+        return self._step_indices(
+            rows, num_scheduled, np.arange(len(rows) + 1, dtype=np.int32), rows, positions,
+            seq_lens, sample_batch_idx, logits_indices=sample_batch_idx,
+        )
+
+    def _step_indices(
+        self,
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        query_start_loc: np.ndarray,
+        token_row: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        sample_batch_idx: np.ndarray,
+        logits_indices: np.ndarray,
+    ) -> StepIndices:
+        """The gathers both layouts share: token ids, cache slots, block tables."""
+        bs = self.block_size
+        blocks = self.block_table[token_row, positions // bs].astype(np.int64)
         max_seq_len = int(seq_lens.max())
-        width = -(-max_seq_len // bs)
-        block_tables = self.block_table[rows, :width]
-        samples = seq_lens >= self.num_tokens[rows]
-        sample_batch_idx = np.flatnonzero(samples)
-        logits_indices = cu[sample_batch_idx] - 1
         return StepIndices(
             rows=rows,
             num_scheduled=num_scheduled,
             query_start_loc=query_start_loc,
             positions=positions,
-            input_ids=input_ids,
-            slot_mapping=slot_mapping,
+            input_ids=self.token_ids[token_row, positions],
+            slot_mapping=blocks * bs + positions % bs,
             seq_lens=seq_lens,
-            block_tables=block_tables,
+            block_tables=self.block_table[rows, : -(-max_seq_len // bs)],
             sample_batch_idx=sample_batch_idx,
-            logits_indices=logits_indices,
+            logits_indices=logits_indices.astype(np.int64, copy=False),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )

@@ -209,8 +209,10 @@ class ModelRunner:
         step = inputs.step
         if not len(step.sample_batch_idx):
             return [], {}
-        idx = torch.from_numpy(step.logits_indices).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        if len(step.logits_indices) < hidden.shape[0]:
+            idx = torch.from_numpy(step.logits_indices).to(self.device)
+            hidden = hidden.index_select(0, idx)
+        logits = self.model.compute_logits(hidden)  # every token samples: all of hidden
         sample_rows = step.rows[step.sample_batch_idx]
         token_bitmask = None
         if grammar_bitmask is not None:

@@ -53,7 +53,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
-from engine.plugins.cpu.native import CPUKernels, load_kernels
+from engine.plugins.cpu.native import CPUKernels, decode_key_splits, load_kernels
 
 
 @dataclass
@@ -101,21 +101,53 @@ class _Prefill:
 
 
 @dataclass
+class _WriteIndex:
+    """Where the torch-op store puts the step's new K/V rows (the C store reads only
+    ``slot_mapping``)."""
+
+    block: torch.Tensor  # int64 [W] block of each written row
+    offset: torch.Tensor  # int64 [W] offset in block
+    rows: torch.Tensor | None  # int64 [W] token rows written; None: all rows
+
+
+@dataclass
 class CPUAttentionMetadata:
     """Step-level index tensors, shared by every layer of the step."""
 
     num_tokens: int
     block_size: int
-    write_block: torch.Tensor  # int64 [W] block of each written row
-    write_offset: torch.Tensor  # int64 [W] offset in block
-    write_rows: torch.Tensor | None  # int64 [W] token rows written; None: all rows
     slot_mapping: torch.Tensor  # int64 [T] every token's slot, -1: not written
     decode_rows: torch.Tensor | None  # int64 [Rd] token rows; None: every row, in order
     decode_seq_lens: torch.Tensor  # int64 [Rd]
     decode_block_tables: torch.Tensor  # int64 [Rd, M]
     prefills: list[_Prefill]
+    max_decode_seq_len: int = 0
+    _write_index: _WriteIndex | None = None
     _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
     _prefill_plans: dict[int | None, list[_KeyPlan]] = field(default_factory=dict)
+    _decode_splits: dict[int, int] = field(default_factory=dict)
+
+    def write_index(self) -> _WriteIndex:
+        """Block / offset of every written row, for the torch-op store (built once)."""
+        if self._write_index is None:
+            slots, rows = self.slot_mapping, None
+            valid = slots >= 0
+            if not bool(valid.all()):
+                rows = valid.nonzero().squeeze(1)
+                slots = slots[rows]
+            bs = self.block_size
+            block = torch.div(slots, bs, rounding_mode="floor")
+            self._write_index = _WriteIndex(block, slots - block * bs, rows)
+        return self._write_index
+
+    def decode_splits(self, num_kv_heads: int) -> int:
+        """Key ranges per (decode, KV head) for the C kernel (the same in every layer)."""
+        splits = self._decode_splits.get(num_kv_heads)
+        if splits is None:
+            splits = self._decode_splits[num_kv_heads] = decode_key_splits(
+                self.num_decodes * num_kv_heads, self.max_decode_seq_len
+            )
+        return splits
 
     @property
     def num_decodes(self) -> int:
@@ -194,6 +226,7 @@ class CPUAttentionImpl(AttentionImpl):
         # The C decode kernel when it can serve this layer, else the torch-op path.
         self.kernels = kernels if kernels and kernels.supports_attention(spec) else None
         self.keys_transposed = self.kernels is not None  # the K layout the kernel reads
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -203,13 +236,7 @@ class CPUAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
     ) -> torch.Tensor:
-        num_blocks, kv_heads = kv_cache.shape[1:3]
-        bs, head_size = metadata.block_size, self.spec.head_size
-        value_cache = kv_cache[1].view(num_blocks, kv_heads, bs, head_size)
-        if self.keys_transposed:
-            key_cache = kv_cache[0].view(num_blocks, kv_heads, head_size, bs)
-        else:
-            key_cache = kv_cache[0].view(num_blocks, kv_heads, bs, head_size)
+        key_cache, value_cache = self._cache_views(kv_cache, metadata.block_size)
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
         if metadata.decode_rows is None and num_decodes == query.shape[0]:
@@ -225,6 +252,22 @@ class CPUAttentionImpl(AttentionImpl):
             )
         return out
 
+    def _cache_views(
+        self, kv_cache: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cache as K and V block views (made once: a layer keeps its cache)."""
+        views = self._views
+        if views is None or views[0] is not kv_cache:
+            num_blocks, kv_heads = kv_cache.shape[1:3]
+            head_size = self.spec.head_size
+            value_cache = kv_cache[1].view(num_blocks, kv_heads, block_size, head_size)
+            if self.keys_transposed:
+                key_cache = kv_cache[0].view(num_blocks, kv_heads, head_size, block_size)
+            else:
+                key_cache = kv_cache[0].view(num_blocks, kv_heads, block_size, head_size)
+            views = self._views = (kv_cache, key_cache, value_cache)
+        return views[1], views[2]
+
     def _write(
         self,
         key_cache: torch.Tensor,
@@ -237,13 +280,14 @@ class CPUAttentionImpl(AttentionImpl):
             # K rows are [head_size, block_size] here: the C store puts a token in a column.
             self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache)
             return
-        if md.write_rows is not None:
-            key, value = key[md.write_rows], value[md.write_rows]
+        where = md.write_index()
+        if where.rows is not None:
+            key, value = key[where.rows], value[where.rows]
         if self.keys_transposed:  # K rows are [head_size, block_size]: a token is a column
-            key_cache[md.write_block, :, :, md.write_offset] = key.to(key_cache.dtype)
+            key_cache[where.block, :, :, where.offset] = key.to(key_cache.dtype)
         else:
-            key_cache[md.write_block, :, md.write_offset] = key.to(key_cache.dtype)
-        value_cache[md.write_block, :, md.write_offset] = value.to(value_cache.dtype)
+            key_cache[where.block, :, where.offset] = key.to(key_cache.dtype)
+        value_cache[where.block, :, where.offset] = value.to(value_cache.dtype)
 
     def _gather_values(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
         """The plan's value blocks as ``[..., kv_heads, nb * block_size, D]`` (one copy)."""
@@ -274,6 +318,7 @@ class CPUAttentionImpl(AttentionImpl):
             return self.kernels.paged_decode_attention(
                 query, key_cache, value_cache, md.decode_block_tables, md.decode_seq_lens,
                 spec.scale, spec.sliding_window, spec.logits_soft_cap,
+                num_splits=md.decode_splits(spec.num_kv_heads),
             )
         plan = md.decode_plan(spec.sliding_window)
         keys = self._gather_keys(key_cache, plan)  # [Rd, Hkv, L, D]
@@ -358,19 +403,16 @@ class CPUAttentionBackend(AttentionBackend):
                 f"{int(seq_lens.max())} tokens needs {needed} blocks of {bs}"
             )
 
-        slots = batch.slot_mapping.to(device=self.device, dtype=torch.int64)[:num_tokens]
-        slot_mapping = slots.contiguous()
-        valid = slots >= 0
-        write_rows = None
-        if not bool(valid.all()):
-            write_rows = valid.nonzero().squeeze(1)
-            slots = slots[write_rows]
-
+        slot_mapping = batch.slot_mapping[:num_tokens].to(device=self.device, dtype=torch.int64)
         is_decode = query_lens == 1
         decode_reqs = np.flatnonzero(is_decode)
-        all_decode = len(decode_reqs) == num_reqs == num_tokens
-        decode_rows = None if all_decode else self._tensor(qsl[decode_reqs])
-        dec_idx = self._tensor(decode_reqs)
+        if len(decode_reqs) == num_reqs == num_tokens:  # a decode-only step: no gathers
+            decode_rows, decode_tables = None, block_tables
+            decode_seq_lens = torch.from_numpy(seq_lens)
+        else:
+            decode_rows = self._tensor(qsl[decode_reqs])
+            decode_tables = block_tables.index_select(0, self._tensor(decode_reqs))
+            decode_seq_lens = self._tensor(seq_lens[decode_reqs])
         prefills = [
             _Prefill(
                 start=int(qsl[r]),
@@ -383,14 +425,12 @@ class CPUAttentionBackend(AttentionBackend):
         return CPUAttentionMetadata(
             num_tokens=num_tokens,
             block_size=bs,
-            write_block=torch.div(slots, bs, rounding_mode="floor"),
-            write_offset=slots % bs,
-            write_rows=write_rows,
-            slot_mapping=slot_mapping,
+            slot_mapping=slot_mapping.contiguous(),
             decode_rows=decode_rows,
-            decode_seq_lens=self._tensor(seq_lens[decode_reqs]),
-            decode_block_tables=block_tables.index_select(0, dec_idx),
+            decode_seq_lens=decode_seq_lens.to(self.device),
+            decode_block_tables=decode_tables,
             prefills=prefills,
+            max_decode_seq_len=int(seq_lens[decode_reqs].max()) if len(decode_reqs) else 0,
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

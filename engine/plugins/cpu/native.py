@@ -244,7 +244,8 @@ class CPUKernels(FusedOps):
         if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
             raise ValueError("block table rows and sequence lengths must be contiguous")
         if num_splits is None:
-            num_splits = _decode_splits(num_reqs * num_kv_heads, seq_lens)
+            longest = int(seq_lens.max()) if num_reqs else 0
+            num_splits = decode_key_splits(num_reqs * num_kv_heads, longest)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         out = torch.empty((num_reqs, num_heads, head_size), dtype=dtype)
@@ -263,13 +264,13 @@ class CPUKernels(FusedOps):
         return out
 
 
-def _decode_splits(num_tasks: int, seq_lens: torch.Tensor) -> int:
-    """Key splits per task: none while the tasks alone fill the threads; otherwise about
-    two work items per thread, each of at least MIN_KEYS_PER_SPLIT keys."""
+def decode_key_splits(num_tasks: int, longest: int) -> int:
+    """Key splits per (request, KV head) task of the decode kernel, whose longest context
+    is ``longest``: none while the tasks alone fill the threads; otherwise about two work
+    items per thread, each of at least MIN_KEYS_PER_SPLIT keys."""
     threads = torch.get_num_threads()
     if num_tasks >= threads or not num_tasks:
         return 1
-    longest = int(seq_lens.max())
     wanted = -(-2 * threads // num_tasks)
     return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 

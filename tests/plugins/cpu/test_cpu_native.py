@@ -127,11 +127,11 @@ def test_key_splits_merge_to_the_same_softmax(kernels, num_splits, window, dtype
 
 def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    long_seq = torch.tensor([4096])
-    assert native._decode_splits(8, long_seq) == 1  # 8 tasks fill 8 threads
-    assert native._decode_splits(1, long_seq) == 16  # 2 work items per thread
-    assert native._decode_splits(1, torch.tensor([600])) == 2  # >= 256 keys per split
-    assert native._decode_splits(2, torch.tensor([100])) == 1
+    assert native.decode_key_splits(8, 4096) == 1  # 8 tasks fill 8 threads
+    assert native.decode_key_splits(1, 4096) == 16  # 2 work items per thread
+    assert native.decode_key_splits(1, 600) == 2  # >= 256 keys per split
+    assert native.decode_key_splits(2, 100) == 1
+    assert native.decode_key_splits(0, 0) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
