@@ -98,9 +98,48 @@ static inline __attribute__((always_inline)) vfloat load_keys(const void *base, 
     return load_floats(part);
 }
 
+/* lane-wise maximum */
+static inline vfloat max_lanes(vfloat a, vfloat b) {
+    vu32 ua, ub;
+    memcpy(&ua, &a, sizeof ua);
+    memcpy(&ub, &b, sizeof ub);
+    const vu32 a_wins = (vu32)(a > b);
+    const vu32 r = (ua & a_wins) | (ub & ~a_wins);
+    vfloat out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* v with its lanes permuted (constant indices): a tree of these reduces 16 lanes in 4
+ * steps instead of 15 lane extractions */
+#if defined(__clang__)
+#define PERMUTE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define PERMUTE(v, ...) __builtin_shuffle(v, (vlane){__VA_ARGS__})
+#endif
+#define REDUCE_LANES(v, combine)                                                           \
+    do {                                                                                   \
+        v = combine(v, PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));  \
+        v = combine(v, PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));  \
+        v = combine(v, PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));  \
+        v = combine(v, PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));  \
+    } while (0)
+#define ADD_LANES(a, b) ((a) + (b))
+
+static inline float lanes_max(vfloat v) {
+    REDUCE_LANES(v, max_lanes);
+    return v[0];
+}
+
+static inline float lanes_sum(vfloat v) {
+    REDUCE_LANES(v, ADD_LANES);
+    return v[0];
+}
+
 /* exp_nonpositive on every lane */
 static inline vfloat vexp_nonpositive(vfloat x) {
-    for (int l = 0; l < SLICE; l++) x[l] = x[l] < -87.0f ? -87.0f : x[l];
+    const vfloat lowest = (vfloat){0} - 87.0f;
+    x = max_lanes(lowest, x); /* a NaN stays NaN */
     const vfloat n = EXP_ROUND(x);
     const vfloat r = EXP_REDUCE(x, n);
     vfloat p = EXP_POLY(r);
@@ -182,15 +221,12 @@ static inline __attribute__((always_inline)) void attend_task(
                 if (soft_cap > 0.0f)
                     for (int l = 0; l < n; l++) sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
                 sc = select_lanes(valid, sc, -INFINITY);
-                float block_max = sc[0];
-                for (int l = 1; l < SLICE; l++) block_max = sc[l] > block_max ? sc[l] : block_max;
+                const float block_max = lanes_max(sc);
                 const float new_max = block_max > row_max[g] ? block_max : row_max[g];
                 correction[c] = exp_nonpositive(row_max[g] - new_max);
                 row_max[g] = new_max;
                 const vfloat p = select_lanes(valid, vexp_nonpositive(sc - new_max), 0.0f);
-                float total = 0.0f;
-                for (int l = 0; l < SLICE; l++) total += p[l];
-                row_sum[g] = row_sum[g] * correction[c] + total;
+                row_sum[g] = row_sum[g] * correction[c] + lanes_sum(p);
                 memcpy(probs[c], &p, sizeof p);
             }
             /* acc[c] = acc[c] * correction[c] + sum_j probs[c][j] v_j, 16 dims at a time */
