@@ -5,13 +5,15 @@ Cache layout (one tensor per layer)::
 
     kv_cache[0 | 1, block, kv_head, block_size * head_size]   # 0 = K, 1 = V
     V row: [block_size, head_size]
-    K row: [head_size, block_size] for layers the C decode kernel runs (transposed: one
-           dimension of consecutive keys is contiguous), else like V
+    K row: for layers the C decode kernel runs, :class:`~.native.KeyLayout`
+           ``DIMS_MAJOR`` [head_size, block_size] (one dimension of consecutive keys is
+           contiguous) or, bf16 on AVX512-BF16 CPUs, ``DIM_PAIRS`` [head_size / 2,
+           block_size, 2]; else ``PLAIN``, like V
 
 Each (block, kv head) is one row, so one ``index_select`` over precomputed row ids
-gathers a request's history for the torch ops (transposed K then needs one more copy,
-in prefills only); the C decode kernel reads the rows in place, and the transposed K
-rows let it score 16 keys per vector instruction. Slot ``s`` is ``(block = s //
+gathers a request's history for the torch ops (a kernel layout's K then needs one more
+copy, in prefills only); the C decode kernel reads the rows in place, and its K layouts
+let it score 16 keys per vector instruction. Slot ``s`` is ``(block = s //
 block_size, offset = s % block_size)``.
 
 Per layer, :meth:`CPUAttentionImpl.forward`:
@@ -53,7 +55,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
-from engine.plugins.cpu.native import CPUKernels, decode_key_splits, load_kernels
+from engine.plugins.cpu.native import CPUKernels, KeyLayout, decode_key_splits, load_kernels
 
 
 @dataclass
@@ -225,8 +227,11 @@ class CPUAttentionImpl(AttentionImpl):
         self.group = spec.num_heads // spec.num_kv_heads
         # The C decode kernel when it can serve this layer, else the torch-op path.
         self.kernels = kernels if kernels and kernels.supports_attention(spec) else None
-        self.keys_transposed = self.kernels is not None  # the K layout the kernel reads
-        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLayout] | None = None
+
+    def key_layout(self, dtype: torch.dtype) -> KeyLayout:
+        """How this layer stores K rows in a cache of ``dtype``."""
+        return self.kernels.key_layout(dtype) if self.kernels is not None else KeyLayout.PLAIN
 
     def forward(
         self,
@@ -255,17 +260,15 @@ class CPUAttentionImpl(AttentionImpl):
     def _cache_views(
         self, kv_cache: torch.Tensor, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's cache as K and V block views (made once: a layer keeps its cache)."""
+        """The layer's cache as K rows ``[blocks, kv_heads, block_size * D]`` (in
+        :meth:`key_layout`) and V blocks ``[blocks, kv_heads, block_size, D]`` (made
+        once: a layer keeps its cache)."""
         views = self._views
         if views is None or views[0] is not kv_cache:
             num_blocks, kv_heads = kv_cache.shape[1:3]
-            head_size = self.spec.head_size
-            value_cache = kv_cache[1].view(num_blocks, kv_heads, block_size, head_size)
-            if self.keys_transposed:
-                key_cache = kv_cache[0].view(num_blocks, kv_heads, head_size, block_size)
-            else:
-                key_cache = kv_cache[0].view(num_blocks, kv_heads, block_size, head_size)
-            views = self._views = (kv_cache, key_cache, value_cache)
+            value_cache = kv_cache[1].view(num_blocks, kv_heads, block_size, self.spec.head_size)
+            layout = self.key_layout(kv_cache.dtype)
+            views = self._views = (kv_cache, kv_cache[0], value_cache, layout)
         return views[1], views[2]
 
     def _write(
@@ -277,16 +280,16 @@ class CPUAttentionImpl(AttentionImpl):
         md: CPUAttentionMetadata,
     ) -> None:
         if self.kernels is not None and key.dtype == key_cache.dtype:
-            # K rows are [head_size, block_size] here: the C store puts a token in a column.
             self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache)
             return
         where = md.write_index()
         if where.rows is not None:
             key, value = key[where.rows], value[where.rows]
-        if self.keys_transposed:  # K rows are [head_size, block_size]: a token is a column
-            key_cache[where.block, :, :, where.offset] = key.to(key_cache.dtype)
-        else:
-            key_cache[where.block, :, where.offset] = key.to(key_cache.dtype)
+        layout = self._views[3]
+        tokens = layout.token_view(key_cache, md.block_size, self.spec.head_size)
+        tokens[where.block, :, where.offset] = key.to(key_cache.dtype).unflatten(
+            -1, (-1, layout.pack)
+        )
         value_cache[where.block, :, where.offset] = value.to(value_cache.dtype)
 
     def _gather_values(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
@@ -297,14 +300,14 @@ class CPUAttentionImpl(AttentionImpl):
         return gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, head_size)
 
     def _gather_keys(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
-        """The plan's key blocks, untransposed, as ``[..., kv_heads, nb * block_size, D]``."""
-        if not self.keys_transposed:
-            return self._gather_values(cache, plan)
-        num_blocks, kv_heads, head_size, block_size = cache.shape
-        flat = cache.view(num_blocks * kv_heads, head_size * block_size)
-        gathered = flat.index_select(0, plan.rows(kv_heads))
-        blocks = gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, head_size, block_size)
-        return blocks.transpose(-1, -2).reshape(*blocks.shape[:-3], -1, head_size)
+        """The plan's key blocks, token-major, as ``[..., kv_heads, nb * block_size, D]``
+        (one copy; a kernel layout is reordered by a second)."""
+        num_blocks, kv_heads, row_len = cache.shape
+        head_size = self.spec.head_size
+        gathered = cache.view(num_blocks * kv_heads, row_len).index_select(0, plan.rows(kv_heads))
+        gathered = gathered.view(*plan.blocks.shape[:-1], kv_heads, -1, row_len)
+        tokens = self._views[3].token_view(gathered, row_len // head_size, head_size)
+        return tokens.reshape(*gathered.shape[:-2], -1, head_size)
 
     def _decode(
         self,

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import threading
+from enum import Enum
 from functools import cache
 from pathlib import Path
 
@@ -35,6 +36,29 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOCK = threading.Lock()
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class KeyLayout(Enum):
+    """How one (block, KV head) row of the K cache orders its block_size x head_size
+    values. ``pack`` dims of a key are contiguous; the row is ``[head_size / pack,
+    block_size, pack]`` for the kernel layouts, ``[block_size, head_size]`` for PLAIN."""
+
+    PLAIN = 0  # token-major, like V: the torch-op path without C kernels
+    DIMS_MAJOR = 1  # [head_size][block_size]: 16 keys of one dim per vector
+    DIM_PAIRS = 2  # [head_size / 2][block_size][2]: bf16 pairs for vdpbf16ps
+
+    @property
+    def pack(self) -> int:
+        return 2 if self is KeyLayout.DIM_PAIRS else 1
+
+    def token_view(self, rows: torch.Tensor, block_size: int, head_size: int) -> torch.Tensor:
+        """``rows [..., block_size * head_size]`` as ``[..., block_size, head_size / pack,
+        pack]``: index a token, then write ``key.unflatten(-1, (-1, pack))`` into it or
+        ``flatten(-2)`` it to read."""
+        if self is KeyLayout.PLAIN:
+            return rows.unflatten(-1, (block_size, head_size, 1))
+        pack = self.pack
+        return rows.unflatten(-1, (head_size // pack, block_size, pack)).transpose(-2, -3)
 
 
 class CPUKernels(FusedOps):
@@ -67,6 +91,13 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
         ])
         self.has_bf16_gemm = bool(_bind(lib.gemm_bf16_available, [])())
+        self._bf16_key_pairs = bool(_bind(lib.bf16_key_pairs, [])())
+
+    def key_layout(self, dtype: torch.dtype) -> KeyLayout:
+        """The K cache layout :meth:`write_kv` writes and the decode kernel reads."""
+        if dtype == torch.bfloat16 and self._bf16_key_pairs:
+            return KeyLayout.DIM_PAIRS
+        return KeyLayout.DIMS_MAJOR
 
     # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
     def supports(self, dtype: torch.dtype) -> bool:
@@ -125,11 +156,11 @@ class CPUKernels(FusedOps):
         key: torch.Tensor,  # [T, Hkv, D], the caches' dtype, last dim contiguous
         value: torch.Tensor,
         slots: torch.Tensor,  # int64 [T], contiguous; -1: not written
-        key_cache: torch.Tensor,  # [num_blocks, Hkv, D, block_size] (transposed)
+        key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size * D] in key_layout(dtype)
         value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     ) -> None:
-        """Store the step's new K/V rows at their slots (the layout the decode kernel
-        reads), in one call instead of two indexed stores."""
+        """Store the step's new K/V rows at their slots (K in :meth:`key_layout`, the
+        layout the decode kernel reads), in one call instead of two indexed stores."""
         num_tokens, num_kv_heads, head_size = key.shape
         block_size = value_cache.shape[2]
         dtype = key_cache.dtype
@@ -139,8 +170,7 @@ class CPUKernels(FusedOps):
             raise ValueError("K/V rows must be contiguous in the head dim and slots int64")
         if tuple(value.shape) != tuple(key.shape) or not slots.is_contiguous():
             raise ValueError("keys, values and slots must describe the same tokens")
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("the KV cache must be contiguous")
+        _check_caches(key_cache, value_cache)
         status = self._write_kv(key.data_ptr(), key.stride(0), key.stride(1),
                                 value.data_ptr(), value.stride(0), value.stride(1),
                                 slots.data_ptr(), num_tokens, key_cache.data_ptr(),
@@ -210,7 +240,7 @@ class CPUKernels(FusedOps):
     def paged_decode_attention(
         self,
         query: torch.Tensor,  # [R, H, D], last dim contiguous
-        key_cache: torch.Tensor,  # [num_blocks, Hkv, D, block_size] (transposed), contiguous
+        key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size * D] in key_layout(dtype)
         value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D], contiguous
         block_tables: torch.Tensor,  # int64 [R, M], last dim contiguous
         seq_lens: torch.Tensor,  # int64 [R], contiguous
@@ -228,17 +258,12 @@ class CPUKernels(FusedOps):
         dtype = key_cache.dtype
         if query.dtype != dtype or value_cache.dtype != dtype or dtype not in DTYPE_CODES:
             raise ValueError(f"query {query.dtype} / cache {dtype}: one supported dtype needed")
-        if tuple(value_cache.shape) != (num_blocks, num_kv_heads, block_size, head_size) or (
-            tuple(key_cache.shape) != (num_blocks, num_kv_heads, head_size, block_size)
-        ):
-            raise ValueError(
-                f"caches K {tuple(key_cache.shape)} / V {tuple(value_cache.shape)} do not "
-                f"hold [blocks, kv_heads, D, block] / [blocks, kv_heads, block, D] of D={head_size}"
-            )
+        if value_cache.shape[3] != head_size:
+            raise ValueError(f"the value cache holds head size {value_cache.shape[3]}, "
+                             f"the query {head_size}")
         if query.stride(2) != 1:
             raise ValueError("query rows must be contiguous in the head dimension")
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("the KV cache must be contiguous")
+        _check_caches(key_cache, value_cache)
         if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise ValueError("block tables and sequence lengths must be int64")
         if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
@@ -273,6 +298,19 @@ def decode_key_splits(num_tasks: int, longest: int) -> int:
         return 1
     wanted = -(-2 * threads // num_tasks)
     return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """K rows (any layout) must match V's ``[blocks, kv_heads, block, D]`` in size."""
+    if value_cache.dim() != 4 or tuple(key_cache.shape[:2]) != tuple(value_cache.shape[:2]) or (
+        key_cache.numel() != value_cache.numel()
+    ):
+        raise ValueError(
+            f"caches K {tuple(key_cache.shape)} / V {tuple(value_cache.shape)} do not hold "
+            "the same [blocks, kv_heads] rows"
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
 
 
 def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:

@@ -18,27 +18,39 @@ import torch
 from engine.core.interfaces import AttentionBatch, AttentionLayerSpec
 from engine.plugins.cpu import attention as cpu_attention
 from engine.plugins.cpu.attention import CPUAttentionBackend
-from engine.plugins.cpu.native import CPUKernels, load_kernels
+from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
 CPU = torch.device("cpu")
 
 
-def keys_transposed(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    """Whether the backend stores this layer's K rows transposed (C kernel layers)."""
+def key_layout(num_heads: int, num_kv_heads: int, head_size: int, dtype) -> KeyLayout:
+    """How the backend stores this layer's K rows (a kernel layout for C kernel layers)."""
     spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, 1.0)
-    return cpu_attention.load_kernels() is not None and CPUKernels.supports_attention(spec)
+    kernels = cpu_attention.load_kernels()
+    if kernels is None or not CPUKernels.supports_attention(spec):
+        return KeyLayout.PLAIN
+    return kernels.key_layout(dtype)
 
 
-def cache_views(kv_cache: torch.Tensor, block_size: int, head_size: int, transposed: bool):
+def cache_views(kv_cache: torch.Tensor, block_size: int, head_size: int, layout: KeyLayout):
     """The documented layout as ``(keys, values)`` views indexed ``[block, kv_head,
-    offset, head_size]``: V rows are ``[block_size, head_size]``, K rows the same or,
-    for C kernel layers, transposed (the view then transposes back)."""
+    offset]``: V rows are ``[block_size, head_size]``, so a token is ``[head_size]``; K
+    rows are in ``layout``, a token ``[head_size / pack, pack]`` (dims ``2i, 2i + 1`` side
+    by side for DIM_PAIRS, else one per row)."""
     num_blocks, kv_heads = kv_cache.shape[1:3]
     values = kv_cache[1].view(num_blocks, kv_heads, block_size, head_size)
-    if transposed:  # a [block, kv_head, offset, D] view of the transposed rows
-        keys = kv_cache[0].view(num_blocks, kv_heads, head_size, block_size).transpose(2, 3)
+    pack = layout.pack
+    # Strides of (token j, pair i = d // pack, d % pack) within a row: token-major for
+    # PLAIN, else (d // pack) * block_size * pack + j * pack + d % pack.
+    if layout is KeyLayout.PLAIN:
+        token_stride, pair_stride = head_size, 1
     else:
-        keys = kv_cache[0].view(num_blocks, kv_heads, block_size, head_size)
+        token_stride, pair_stride = pack, block_size * pack
+    keys = kv_cache[0].as_strided(
+        (num_blocks, kv_heads, block_size, head_size // pack, pack),
+        (kv_heads * block_size * head_size, block_size * head_size, token_stride, pair_stride, 1),
+        kv_cache[0].storage_offset(),
+    )
     return keys, values
 
 
@@ -88,9 +100,9 @@ def make_case(
         v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
         ctx = seq_len - q_len
         blk, off = slots[:ctx] // block_size, slots[:ctx] % block_size
-        transposed = keys_transposed(num_heads, num_kv_heads, head_size)
-        key_cache, value_cache = cache_views(kv_cache, block_size, head_size, transposed)
-        key_cache[blk, :, off] = k[:ctx]
+        layout = key_layout(num_heads, num_kv_heads, head_size, dtype)
+        key_cache, value_cache = cache_views(kv_cache, block_size, head_size, layout)
+        key_cache[blk, :, off] = k[:ctx].unflatten(-1, (-1, layout.pack))
         value_cache[blk, :, off] = v[:ctx]
         queries.append(torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype))
         keys.append(k[ctx:])
@@ -252,8 +264,9 @@ def test_new_rows_are_written_to_their_slots():
     run_backend(case, AttentionLayerSpec(4, 16, 2, 0.25), 8)
     for (q_len, seq_len), k, v, slots in zip(MIXED, case.hist_k, case.hist_v, case.slots):
         blk, off = slots // 8, slots % 8
-        key_cache, value_cache = cache_views(case.kv_cache, 8, 16, keys_transposed(4, 2, 16))
-        torch.testing.assert_close(key_cache[blk, :, off], k, atol=0, rtol=0)
+        layout = key_layout(4, 2, 16, torch.float32)
+        key_cache, value_cache = cache_views(case.kv_cache, 8, 16, layout)
+        torch.testing.assert_close(key_cache[blk, :, off].flatten(-2), k, atol=0, rtol=0)
         torch.testing.assert_close(value_cache[blk, :, off], v, atol=0, rtol=0)
 
 

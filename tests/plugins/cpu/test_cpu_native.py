@@ -80,8 +80,13 @@ def _cache(num_blocks, kv_heads, block_size, head_size, dtype, gen):
 
 
 def _keys(cache: torch.Tensor) -> torch.Tensor:
-    """The K layout the kernel reads: each block's rows transposed."""
-    return cache.transpose(-1, -2).contiguous()
+    """The K layout the kernel reads: each block's ``[block_size, D]`` rows with D split
+    into groups of ``pack`` (2 for DIM_PAIRS, else 1), groups major: row position of
+    (token j, dim d) = (d // pack) * block_size * pack + j * pack + d % pack."""
+    num_blocks, kv_heads, block_size, head_size = cache.shape
+    pack = native.load_kernels().key_layout(cache.dtype).pack
+    rows = cache.view(num_blocks, kv_heads, block_size, head_size // pack, pack)
+    return rows.transpose(2, 3).reshape(num_blocks, kv_heads, block_size * head_size)
 
 
 def test_strided_query_rows_match_a_float64_reference(kernels):
@@ -137,14 +142,22 @@ def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels, monk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_stores_columns_of_k_and_rows_of_v(kernels, dtype):
     gen = torch.Generator().manual_seed(3)
-    k_cache = torch.zeros(4, 2, 16, 8, dtype=dtype)  # [blocks, kv_heads, D, block]
+    k_cache = torch.zeros(4, 2, 8 * 16, dtype=dtype)  # [blocks, kv_heads, block * D] rows
     v_cache = torch.zeros(4, 2, 8, 16, dtype=dtype)  # [blocks, kv_heads, block, D]
+    pack = kernels.key_layout(dtype).pack
+    dims = torch.arange(16)
+    # Where dim d of the token at offset j sits in a K row (the documented layouts).
+    def key_positions(j: int) -> torch.Tensor:
+        return (dims // pack) * 8 * pack + j * pack + dims % pack
+
     qkv = torch.randn(3, 6 * 16, generator=gen).to(dtype)  # strided K and V views
     key, value = qkv[:, 32:64].view(3, 2, 16), qkv[:, 64:].view(3, 2, 16)
     slots = torch.tensor([9, -1, 31])  # block 1 offset 1; skipped; block 3 offset 7
     kernels.write_kv(key, value, slots, k_cache, v_cache)
     for t, (block, offset) in ((0, (1, 1)), (2, (3, 7))):
-        torch.testing.assert_close(k_cache[block, :, :, offset], key[t], atol=0, rtol=0)
+        torch.testing.assert_close(
+            k_cache[block][:, key_positions(offset)], key[t], atol=0, rtol=0
+        )
         torch.testing.assert_close(v_cache[block, :, offset], value[t], atol=0, rtol=0)
     assert int((k_cache != 0).sum()) == int((v_cache != 0).sum()) == 2 * 2 * 16
     with pytest.raises(ValueError, match="outside the cache"):
@@ -164,8 +177,11 @@ def test_bad_arguments_are_refused(kernels):
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_decode_attention(query, _keys(k_cache), k_cache, tables, lens, 1.0,
                                        num_splits=0)
-    with pytest.raises(ValueError, match="do not hold"):  # K not transposed
-        kernels.paged_decode_attention(query, k_cache, k_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="do not hold"):  # K rows of other blocks than V's
+        kernels.paged_decode_attention(query, _keys(k_cache)[:1], k_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="head size"):  # V rows of another head size
+        kernels.paged_decode_attention(query, _keys(k_cache), k_cache.view(2, 1, 8, 8), tables,
+                                       lens, 1.0)
     with pytest.raises(ValueError, match="refused"):  # head size 24: not a multiple of 16
         cache24 = _cache(2, 1, 4, 24, torch.float32, gen)
         query24 = torch.randn(1, 2, 24)

@@ -10,6 +10,8 @@
  *
  * Cache layout (one layer), each (block, kv_head) one row of block_size * head_size:
  *   K: k_cache[block][kv_head][head_size][block_size]   (transposed: dims major)
+ *      bf16 on CPUs with AVX512-BF16: k_cache[block][kv_head][head_size/2][block_size][2]
+ *      (dim pairs: vdpbf16ps scores 16 keys on two dims per instruction)
  *   V: v_cache[block][kv_head][block_size][head_size]
  * With K transposed, 16 consecutive keys' values of one dimension are contiguous, so
  * the scores of 4 query heads x 16 keys come out of independent 16-wide FMAs with no
@@ -27,6 +29,13 @@
 #include <string.h>
 
 #include "cpu_math.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BF16_KEY_PAIRS 1 /* bf16 keys stored in dim pairs, scored with vdpbf16ps */
+#else
+#define BF16_KEY_PAIRS 0
+#endif
 
 #define SLICE 16 /* keys per slice, and the vector width the loops are written for */
 #define HEADS 4  /* query heads per register block */
@@ -162,6 +171,56 @@ static inline __attribute__((always_inline)) void prefetch_row(
     }
 }
 
+/* scores[c] = q[c] . k for HEADS query heads (q pre-scaled, float32) and the n <= SLICE
+ * keys from column j0 of a dims-major K row */
+static inline __attribute__((always_inline)) void score_keys(
+    const float *q0, const void *k_cache, int64_t row, int j0, int n, int head_size,
+    int block_size, const int dtype, vfloat scores[HEADS])
+{
+    vfloat s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (int i = 0; i < head_size; i++) {
+        const vfloat k = load_keys(k_cache, row + (int64_t)i * block_size + j0, n, dtype);
+        s0 += q0[i] * k;
+        s1 += q0[head_size + i] * k;
+        s2 += q0[2 * head_size + i] * k;
+        s3 += q0[3 * head_size + i] * k;
+    }
+    scores[0] = s0, scores[1] = s1, scores[2] = s2, scores[3] = s3;
+}
+
+#if BF16_KEY_PAIRS
+/* score_keys for bf16 keys in dim pairs: one load holds n keys x 2 dims, and each
+ * vdpbf16ps adds both dims' exact products in float32; q0 holds the raw bf16 query
+ * pairs (one per float's bits), the scale multiplies the sums */
+static inline __attribute__((always_inline)) void score_key_pairs(
+    const float *q0, const void *k_cache, int64_t row, int j0, int n, int head_size,
+    int block_size, float scale, vfloat scores[HEADS])
+{
+    const int half = head_size / 2;
+    const __mmask32 lanes = n == SLICE ? 0xffffffffu : (__mmask32)((1ull << (2 * n)) - 1);
+    const uint16_t *k = (const uint16_t *)k_cache + row + 2 * (int64_t)j0;
+    const uint32_t *qp = (const uint32_t *)q0;
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int i = 0; i < half; i++) {
+        const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, k + 2 * (int64_t)i * block_size);
+        s0 = _mm512_dpbf16_ps(s0, kv, (__m512bh)_mm512_set1_epi32((int)qp[i]));
+        s1 = _mm512_dpbf16_ps(s1, kv, (__m512bh)_mm512_set1_epi32((int)qp[half + i]));
+        s2 = _mm512_dpbf16_ps(s2, kv, (__m512bh)_mm512_set1_epi32((int)qp[2 * half + i]));
+        s3 = _mm512_dpbf16_ps(s3, kv, (__m512bh)_mm512_set1_epi32((int)qp[3 * half + i]));
+    }
+    scores[0] = (vfloat)s0 * scale, scores[1] = (vfloat)s1 * scale;
+    scores[2] = (vfloat)s2 * scale, scores[3] = (vfloat)s3 * scale;
+}
+#else
+static inline void score_key_pairs(const float *q0, const void *k_cache, int64_t row, int j0,
+                                   int n, int head_size, int block_size, float scale,
+                                   vfloat scores[HEADS])
+{
+    (void)q0, (void)k_cache, (void)row, (void)j0, (void)n, (void)head_size, (void)block_size,
+        (void)scale, (void)scores; /* never called: key_pairs is 0 without AVX512-BF16 */
+}
+#endif
+
 /* One (request, kv head) task over keys [first, seq_len): per query head of the group,
  * the running maximum, the sum of exponentials and the unnormalized weighted values
  * (out_acc: group x head_size), so partial results over key ranges can be merged. */
@@ -173,13 +232,19 @@ static inline __attribute__((always_inline)) void attend_task(
     const int dtype, float scale, float soft_cap)
 {
     const int padded_group = (group + HEADS - 1) / HEADS * HEADS;
+    const int key_pairs = BF16_KEY_PAIRS && dtype == DTYPE_BF16;
     float qs[MAX_GROUP_ELEMS], acc[MAX_GROUP_ELEMS];
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     memset(qs, 0, sizeof(float) * padded_group * head_size);
     memset(acc, 0, sizeof(float) * padded_group * head_size);
-    for (int g = 0; g < group; g++)
-        for (int i = 0; i < head_size; i++)
-            qs[g * head_size + i] = scale * load_at(q, q_index + g * q_head_stride + i, dtype);
+    if (key_pairs) /* the raw bf16 query, two dims per float's bits; scaled after */
+        for (int g = 0; g < group; g++)
+            memcpy(qs + g * head_size / 2, (const uint16_t *)q + q_index + g * q_head_stride,
+                   sizeof(uint16_t) * head_size);
+    else
+        for (int g = 0; g < group; g++)
+            for (int i = 0; i < head_size; i++)
+                qs[g * head_size + i] = scale * load_at(q, q_index + g * q_head_stride + i, dtype);
     for (int g = 0; g < padded_group; g++) {
         row_max[g] = -INFINITY;
         row_sum[g] = 0.0f;
@@ -204,16 +269,13 @@ static inline __attribute__((always_inline)) void attend_task(
         const vlane valid = lane_ids() < n; /* lanes holding keys of this slice */
         for (int g0 = 0; g0 < padded_group; g0 += HEADS) {
             /* scores of HEADS query heads x SLICE keys: one vector per head */
-            const float *q0 = qs + g0 * head_size;
-            vfloat s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            for (int i = 0; i < head_size; i++) {
-                const vfloat k = load_keys(k_cache, row + (int64_t)i * block_size + j0, n, dtype);
-                s0 += q0[i] * k;
-                s1 += q0[head_size + i] * k;
-                s2 += q0[2 * head_size + i] * k;
-                s3 += q0[3 * head_size + i] * k;
-            }
-            vfloat scores[HEADS] = {s0, s1, s2, s3};
+            vfloat scores[HEADS];
+            if (key_pairs)
+                score_key_pairs(qs + g0 * head_size / 2, k_cache, row, j0, n, head_size,
+                                block_size, scale, scores);
+            else
+                score_keys(qs + g0 * head_size, k_cache, row, j0, n, head_size, block_size,
+                           dtype, scores);
             float probs[HEADS][SLICE], correction[HEADS];
             for (int c = 0; c < HEADS; c++) {
                 const int g = g0 + c;
@@ -390,10 +452,14 @@ int paged_decode_attention(
  * Write the step's new keys and values into the paged cache: token t goes to slot
  * slots[t] (block slots[t] / block_size, offset slots[t] % block_size); a slot of -1
  * is skipped (any slot outside the cache: nothing is written, -1 is returned). K rows
- * are stored transposed ([head_size][block_size]: the token is one
- * column), V rows token-major. key / value: [num_tokens, num_kv_heads, head_size] with
+ * are stored transposed ([head_size][block_size]: the token is one column; bf16 with
+ * BF16_KEY_PAIRS: [head_size / 2][block_size][2], the token one column of pairs), V rows
+ * token-major. key / value: [num_tokens, num_kv_heads, head_size] with
  * the given token and head strides (slices of a fused projection), the cache's dtype.
  */
+/* 1 when bf16 keys are stored in dim pairs (see the layout above), else 0 */
+int bf16_key_pairs(void) { return BF16_KEY_PAIRS; }
+
 int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
@@ -412,9 +478,15 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t row = (block * num_kv_heads + h) * row_len;
             const char *k = (const char *)key + (t * k_tok_stride + h * k_head_stride) * size;
-            char *k_dst = (char *)k_cache + (row + offset) * size;
-            for (int d = 0; d < head_size; d++)
-                memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
+            if (BF16_KEY_PAIRS && dtype == DTYPE_BF16) { /* dim pairs: 4 bytes per pair */
+                char *k_dst = (char *)k_cache + (row + 2 * offset) * size;
+                for (int d = 0; d < head_size; d += 2)
+                    memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, 2 * (size_t)size);
+            } else { /* dims major: one value per dim */
+                char *k_dst = (char *)k_cache + (row + offset) * size;
+                for (int d = 0; d < head_size; d++)
+                    memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
+            }
             memcpy((char *)v_cache + (row + offset * head_size) * size,
                    (const char *)value + (t * v_tok_stride + h * v_head_stride) * size,
                    (size_t)(head_size * size));
