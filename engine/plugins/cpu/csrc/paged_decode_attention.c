@@ -30,8 +30,10 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_KEY_PAIRS 1 /* bf16 keys stored in dim pairs, scored with vdpbf16ps */
 #else
 #define BF16_KEY_PAIRS 0
@@ -40,6 +42,7 @@
 #define SLICE 16 /* keys per slice, and the vector width the loops are written for */
 #define HEADS 4  /* query heads per register block */
 #define PREFETCH_BLOCKS 4 /* how many blocks ahead K/V rows are prefetched */
+#define CHUNK_SLICES 4 /* slices per online-softmax update (64 keys) */
 #define MAX_HEAD_SIZE 512
 #define MAX_GROUP 64
 #define MAX_SPLITS 64 /* key ranges per task (flash-decoding) */
@@ -83,12 +86,17 @@ static inline void store_floats(float *dst, vfloat v) { memcpy(dst, &v, sizeof v
 static inline __attribute__((always_inline)) vfloat load_values(const void *base, int64_t index,
                                                                 const int dtype) {
     if (dtype == DTYPE_BF16) {
+#if defined(__AVX512F__) /* one widening load and a shift (the generic code splits it) */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+        return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
         vu16 h;
         memcpy(&h, (const uint16_t *)base + index, sizeof h);
         const vu32 w = __builtin_convertvector(h, vu32) << 16;
         vfloat f;
         memcpy(&f, &w, sizeof f);
         return f;
+#endif
     }
     if (dtype == DTYPE_F16) {
         vhalf h;
@@ -189,35 +197,63 @@ static inline __attribute__((always_inline)) void score_keys(
 }
 
 #if BF16_KEY_PAIRS
-/* score_keys for bf16 keys in dim pairs: one load holds n keys x 2 dims, and each
- * vdpbf16ps adds both dims' exact products in float32; q0 holds the raw bf16 query
- * pairs (one per float's bits), the scale multiplies the sums */
-static inline __attribute__((always_inline)) void score_key_pairs(
-    const float *q0, const void *k_cache, int64_t row, int j0, int n, int head_size,
-    int block_size, float scale, vfloat scores[HEADS])
+/* score_keys for bf16 keys in dim pairs, over the T slices of a chunk at once (each
+ * query pair is broadcast once for all of them): one load holds a slice's n keys x 2
+ * dims, and each vdpbf16ps adds both dims' exact products in float32. q0 holds the raw
+ * bf16 query pairs (one per float's bits); the scale multiplies the sums. */
+static inline __attribute__((always_inline)) void score_chunk_pairs(
+    const int T, const float *q0, const void *k_cache, const int64_t *rows, const int *j0s,
+    const int *counts, int head_size, int block_size, float scale,
+    vfloat scores[][HEADS])
 {
     const int half = head_size / 2;
-    const __mmask32 lanes = n == SLICE ? 0xffffffffu : (__mmask32)((1ull << (2 * n)) - 1);
-    const uint16_t *k = (const uint16_t *)k_cache + row + 2 * (int64_t)j0;
     const uint32_t *qp = (const uint32_t *)q0;
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int i = 0; i < half; i++) {
-        const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, k + 2 * (int64_t)i * block_size);
-        s0 = _mm512_dpbf16_ps(s0, kv, (__m512bh)_mm512_set1_epi32((int)qp[i]));
-        s1 = _mm512_dpbf16_ps(s1, kv, (__m512bh)_mm512_set1_epi32((int)qp[half + i]));
-        s2 = _mm512_dpbf16_ps(s2, kv, (__m512bh)_mm512_set1_epi32((int)qp[2 * half + i]));
-        s3 = _mm512_dpbf16_ps(s3, kv, (__m512bh)_mm512_set1_epi32((int)qp[3 * half + i]));
+    const uint16_t *k[CHUNK_SLICES];
+    __mmask32 lanes[CHUNK_SLICES];
+    __m512 acc[CHUNK_SLICES][HEADS];
+    for (int t = 0; t < T; t++) {
+        k[t] = (const uint16_t *)k_cache + rows[t] + 2 * (int64_t)j0s[t];
+        lanes[t] = counts[t] == SLICE ? 0xffffffffu : (__mmask32)((1ull << (2 * counts[t])) - 1);
+        for (int c = 0; c < HEADS; c++)
+            acc[t][c] = _mm512_setzero_ps();
     }
-    scores[0] = (vfloat)s0 * scale, scores[1] = (vfloat)s1 * scale;
-    scores[2] = (vfloat)s2 * scale, scores[3] = (vfloat)s3 * scale;
+    for (int i = 0; i < half; i++) {
+        __m512bh q[HEADS];
+        for (int c = 0; c < HEADS; c++)
+            q[c] = (__m512bh)_mm512_set1_epi32((int)qp[c * half + i]);
+        for (int t = 0; t < T; t++) {
+            const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(
+                lanes[t], k[t] + 2 * (int64_t)i * block_size);
+            for (int c = 0; c < HEADS; c++)
+                acc[t][c] = _mm512_dpbf16_ps(acc[t][c], kv, q[c]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < HEADS; c++)
+            scores[t][c] = (vfloat)acc[t][c] * scale;
+}
+
+static void score_key_pairs(int num_slices, const float *q0, const void *k_cache,
+                            const int64_t *rows, const int *j0s, const int *counts,
+                            int head_size, int block_size, float scale,
+                            vfloat scores[][HEADS])
+{
+    switch (num_slices) {
+    case 4: score_chunk_pairs(4, q0, k_cache, rows, j0s, counts, head_size, block_size, scale, scores); break;
+    case 3: score_chunk_pairs(3, q0, k_cache, rows, j0s, counts, head_size, block_size, scale, scores); break;
+    case 2: score_chunk_pairs(2, q0, k_cache, rows, j0s, counts, head_size, block_size, scale, scores); break;
+    default: score_chunk_pairs(1, q0, k_cache, rows, j0s, counts, head_size, block_size, scale, scores);
+    }
 }
 #else
-static inline void score_key_pairs(const float *q0, const void *k_cache, int64_t row, int j0,
-                                   int n, int head_size, int block_size, float scale,
-                                   vfloat scores[HEADS])
+static inline void score_key_pairs(int num_slices, const float *q0, const void *k_cache,
+                                   const int64_t *rows, const int *j0s, const int *counts,
+                                   int head_size, int block_size, float scale,
+                                   vfloat scores[][HEADS])
 {
-    (void)q0, (void)k_cache, (void)row, (void)j0, (void)n, (void)head_size, (void)block_size,
-        (void)scale, (void)scores; /* never called: key_pairs is 0 without AVX512-BF16 */
+    (void)num_slices, (void)q0, (void)k_cache, (void)rows, (void)j0s, (void)counts,
+        (void)head_size, (void)block_size, (void)scale,
+        (void)scores; /* never called: key_pairs is 0 without AVX512-BF16 */
 }
 #endif
 
@@ -250,62 +286,84 @@ static inline __attribute__((always_inline)) void attend_task(
         row_sum[g] = 0.0f;
     }
     for (int64_t start = first; start < seq_len;) {
-        /* keys [start, end): inside one cache block, at most SLICE */
-        const int64_t block_end = (start / block_size + 1) * block_size;
-        int64_t end = start + SLICE < block_end ? start + SLICE : block_end;
-        end = end < seq_len ? end : seq_len;
-        const int n = (int)(end - start);
-        const int j0 = (int)(start % block_size);
-        const int64_t row = blocks[start / block_size] * block_stride + head_row;
-        if (start == first || j0 == 0) {
-            /* the coming blocks' rows are elsewhere in memory: start fetching them
-               PREFETCH_BLOCKS ahead, so no block's first touch waits on a miss */
-            const int64_t block = start / block_size;
-            for (int64_t ahead = start == first ? 1 : PREFETCH_BLOCKS;
-                 ahead <= PREFETCH_BLOCKS && (block + ahead) * block_size < seq_len; ahead++)
-                prefetch_row(k_cache, v_cache, blocks[block + ahead] * block_stride + head_row,
-                             (int64_t)block_size * head_size, dtype);
+        /* a chunk of up to CHUNK_SLICES slices, each keys [start, end) inside one cache
+           block and at most SLICE long: one softmax update per chunk, not per slice */
+        int64_t rows[CHUNK_SLICES];
+        int j0s[CHUNK_SLICES], counts[CHUNK_SLICES], num_slices = 0;
+        for (; num_slices < CHUNK_SLICES && start < seq_len; num_slices++) {
+            const int64_t block_end = (start / block_size + 1) * block_size;
+            int64_t end = start + SLICE < block_end ? start + SLICE : block_end;
+            end = end < seq_len ? end : seq_len;
+            const int j0 = (int)(start % block_size);
+            if (start == first || j0 == 0) {
+                /* the coming blocks' rows are elsewhere in memory: start fetching them
+                   PREFETCH_BLOCKS ahead, so no block's first touch waits on a miss */
+                const int64_t block = start / block_size;
+                for (int64_t ahead = start == first ? 1 : PREFETCH_BLOCKS;
+                     ahead <= PREFETCH_BLOCKS && (block + ahead) * block_size < seq_len; ahead++)
+                    prefetch_row(k_cache, v_cache, blocks[block + ahead] * block_stride + head_row,
+                                 (int64_t)block_size * head_size, dtype);
+            }
+            rows[num_slices] = blocks[start / block_size] * block_stride + head_row;
+            j0s[num_slices] = j0;
+            counts[num_slices] = (int)(end - start);
+            start = end;
         }
-        const vlane valid = lane_ids() < n; /* lanes holding keys of this slice */
         for (int g0 = 0; g0 < padded_group; g0 += HEADS) {
-            /* scores of HEADS query heads x SLICE keys: one vector per head */
-            vfloat scores[HEADS];
+            /* scores of HEADS query heads x SLICE keys per slice: one vector per head */
+            vfloat scores[CHUNK_SLICES][HEADS];
             if (key_pairs)
-                score_key_pairs(qs + g0 * head_size / 2, k_cache, row, j0, n, head_size,
-                                block_size, scale, scores);
+                score_key_pairs(num_slices, qs + g0 * head_size / 2, k_cache, rows, j0s, counts,
+                                head_size, block_size, scale, scores);
             else
-                score_keys(qs + g0 * head_size, k_cache, row, j0, n, head_size, block_size,
-                           dtype, scores);
-            float probs[HEADS][SLICE], correction[HEADS];
+                for (int t = 0; t < num_slices; t++)
+                    score_keys(qs + g0 * head_size, k_cache, rows[t], j0s[t], counts[t],
+                               head_size, block_size, dtype, scores[t]);
+            float probs[HEADS][CHUNK_SLICES * SLICE], correction[HEADS];
             for (int c = 0; c < HEADS; c++) {
                 const int g = g0 + c;
-                vfloat sc = scores[c];
-                if (soft_cap > 0.0f)
-                    for (int l = 0; l < n; l++) sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
-                sc = select_lanes(valid, sc, -INFINITY);
-                const float block_max = lanes_max(sc);
-                const float new_max = block_max > row_max[g] ? block_max : row_max[g];
+                vfloat top = (vfloat){0} - INFINITY;
+                for (int t = 0; t < num_slices; t++) {
+                    vfloat sc = scores[t][c];
+                    if (soft_cap > 0.0f)
+                        for (int l = 0; l < counts[t]; l++)
+                            sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
+                    sc = select_lanes(lane_ids() < counts[t], sc, -INFINITY);
+                    scores[t][c] = sc;
+                    top = max_lanes(top, sc);
+                }
+                const float chunk_max = lanes_max(top);
+                const float new_max = chunk_max > row_max[g] ? chunk_max : row_max[g];
                 correction[c] = exp_nonpositive(row_max[g] - new_max);
                 row_max[g] = new_max;
-                const vfloat p = select_lanes(valid, vexp_nonpositive(sc - new_max), 0.0f);
-                row_sum[g] = row_sum[g] * correction[c] + lanes_sum(p);
-                memcpy(probs[c], &p, sizeof p);
+                vfloat total = {0};
+                for (int t = 0; t < num_slices; t++) {
+                    const vfloat p = select_lanes(lane_ids() < counts[t],
+                                                  vexp_nonpositive(scores[t][c] - new_max), 0.0f);
+                    total += p;
+                    memcpy(probs[c] + t * SLICE, &p, sizeof p);
+                }
+                row_sum[g] = row_sum[g] * correction[c] + lanes_sum(total);
             }
             /* acc[c] = acc[c] * correction[c] + sum_j probs[c][j] v_j, 16 dims at a time */
-            const int64_t v_index = row + (int64_t)j0 * head_size;
             for (int i0 = 0; i0 < head_size; i0 += SLICE) {
                 float *a_out = acc + g0 * head_size + i0;
                 vfloat a0 = load_floats(a_out) * correction[0];
                 vfloat a1 = load_floats(a_out + head_size) * correction[1];
                 vfloat a2 = load_floats(a_out + 2 * head_size) * correction[2];
                 vfloat a3 = load_floats(a_out + 3 * head_size) * correction[3];
-                for (int j = 0; j < n; j++) {
-                    const vfloat v = load_values(v_cache, v_index + (int64_t)j * head_size + i0,
-                                                 dtype);
-                    a0 += probs[0][j] * v;
-                    a1 += probs[1][j] * v;
-                    a2 += probs[2][j] * v;
-                    a3 += probs[3][j] * v;
+                for (int t = 0; t < num_slices; t++) {
+                    const int64_t v_index = rows[t] + (int64_t)j0s[t] * head_size + i0;
+                    const float *p0 = probs[0] + t * SLICE, *p1 = probs[1] + t * SLICE;
+                    const float *p2 = probs[2] + t * SLICE, *p3 = probs[3] + t * SLICE;
+                    for (int j = 0; j < counts[t]; j++) {
+                        const vfloat v = load_values(v_cache, v_index + (int64_t)j * head_size,
+                                                     dtype);
+                        a0 += p0[j] * v;
+                        a1 += p1[j] * v;
+                        a2 += p2[j] * v;
+                        a3 += p3[j] * v;
+                    }
                 }
                 store_floats(a_out, a0);
                 store_floats(a_out + head_size, a1);
@@ -313,7 +371,6 @@ static inline __attribute__((always_inline)) void attend_task(
                 store_floats(a_out + 3 * head_size, a3);
             }
         }
-        start = end;
     }
     memcpy(out_max, row_max, sizeof(float) * group);
     memcpy(out_sum, row_sum, sizeof(float) * group);
