@@ -1,8 +1,8 @@
 """The CPU platform's dense GEMM kernels side by side, over batch sizes.
 
 For each ``[out, in]`` weight shape and row count M it times every kernel that accepts
-the shape (the plugin's AVX512-BF16 GEMM, oneDNN on a prepacked weight) and plain
-``F.linear``, on weights that stay in cache (``--cold`` cycles through enough copies to
+the shape (the plugin's AVX512-BF16 GEMM, oneDNN on a prepacked weight, the plain-layout
+GEMV for tied LM heads) and plain ``F.linear``, on weights that stay in cache (``--cold`` cycles through enough copies to
 stream them from memory, as a batch-1 decode step does), and prints microseconds,
 GFLOP/s and each kernel's speedup over ``F.linear``.
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.interfaces import DenseLayerSpec
-from engine.plugins.cpu.gemm import AVX512BF16Gemm, OneDNNPackedGemm
+from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
 
 TINY_SHAPES = "768x512,512x512,3072x512,512x1536,16000x512"
 COLD_BYTES = 256 << 20  # enough copies of a weight to overflow any L3
@@ -61,7 +61,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         out_f, in_f = map(int, shape.lower().split("x"))
         spec = DenseLayerSpec(in_f, out_f, dtype, torch.device("cpu"))
-        kernels = [k() for k in (AVX512BF16Gemm, OneDNNPackedGemm) if k.can_implement(spec) is None]
+        candidates = (AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv)
+        kernels = [k() for k in candidates if k.can_implement(spec) is None]
         copies = max(1, COLD_BYTES // (out_f * in_f * dtype.itemsize)) if args.cold else 1
         weights = [torch.randn(out_f, in_f).to(dtype) for _ in range(copies)]
         for m in map(int, args.rows.split(",")):

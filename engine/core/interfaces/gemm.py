@@ -4,7 +4,9 @@ Model code owns its weights in the checkpoint's ``[out, in]`` layout. After load
 the engine offers each unquantized linear layer to the platform's dense-GEMM kernels
 in preference order; the first that accepts it repacks the weight once into the layout
 its GEMM reads fastest (e.g. oneDNN's blocked format on CPU, where a prepacked weight
-avoids a reorder inside every call). Layers no kernel accepts keep ``F.linear``.
+avoids a reorder inside every call). A weight another layer also reads in its plain
+layout (an LM head tied to the embedding) is offered only to kernels that keep the
+layout (``keeps_layout``). Layers no kernel accepts keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ class DenseLayerSpec:
     out_features: int
     dtype: "torch.dtype"
     device: "torch.device"
+    # The weight is shared with a layer that reads it as a plain [out, in] matrix.
+    shared: bool = False
 
 
 class DenseGemmKernel(ABC):
     """A platform's implementation of ``y = x @ W.T (+ bias)`` for unquantized weights."""
 
     name: ClassVar[str]
+    # True: prepare() returns the weight unchanged, so shared weights may use the kernel.
+    keeps_layout: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

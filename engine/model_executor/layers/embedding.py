@@ -80,7 +80,8 @@ class LMHead(nn.Module):
         return dense_linear(self, hidden, self.bias).float()
 
     def dense_weight_spec(self) -> DenseLayerSpec | None:
-        """Packable unless tied: the embedding lookup needs the plain matrix."""
-        if self.tied or self.gemm_kernel:
+        """Packable unless tied: the embedding lookup needs the plain matrix, so a tied
+        head only takes kernels that keep the layout (``shared``)."""
+        if self.gemm_kernel:
             return None
-        return dense_spec(self.weight)
+        return dense_spec(self.weight, shared=self.tied)

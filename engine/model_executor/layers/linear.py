@@ -64,10 +64,12 @@ def dense_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
 
 def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -> int:
     """Offer every dense weight of ``model`` to the platform's kernels, in order; the
-    first that accepts a layer repacks its weight. Returns how many layers were packed.
+    first that accepts a layer repacks its weight (or, for a kernel that keeps the layout,
+    only takes it over). Returns how many layers got a kernel.
 
-    A layer opts in by defining ``dense_weight_spec()`` (None: not packable, e.g. an LM
-    head sharing the embedding's weight) and a ``gemm_kernel`` attribute."""
+    A layer opts in by defining ``dense_weight_spec()`` (None: no kernel; ``shared``: the
+    weight is also read plainly elsewhere, e.g. an LM head tied to the embedding) and a
+    ``gemm_kernel`` attribute."""
     if not kernels:
         return 0
     packed = 0
@@ -78,19 +80,22 @@ def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -
         if spec is None:
             continue
         for kernel_cls in kernels:
+            if spec.shared and not kernel_cls.keeps_layout:
+                continue  # repacking would change the weight under its other reader
             if kernel_cls.can_implement(spec) is None:
                 kernel = chosen.setdefault(kernel_cls, kernel_cls())
-                weight = kernel.prepare(module.weight)
-                module.weight = nn.Parameter(weight, requires_grad=False)
+                if not kernel_cls.keeps_layout:
+                    weight = kernel.prepare(module.weight)
+                    module.weight = nn.Parameter(weight, requires_grad=False)
                 module.gemm_kernel = kernel
                 packed += 1
                 break
     return packed
 
 
-def dense_spec(weight: torch.Tensor) -> DenseLayerSpec:
+def dense_spec(weight: torch.Tensor, shared: bool = False) -> DenseLayerSpec:
     out_features, in_features = weight.shape
-    return DenseLayerSpec(in_features, out_features, weight.dtype, weight.device)
+    return DenseLayerSpec(in_features, out_features, weight.dtype, weight.device, shared)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

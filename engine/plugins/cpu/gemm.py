@@ -5,7 +5,10 @@ kernel (csrc/gemm_bf16.c): ~2 us of fixed cost per call against oneDNN's ~15 us 
 panel layout that streams at memory speed, so a batch-1 decode step of llama-tiny
 spends 1.5 ms in its linears instead of 2.5 ms; at prefill sizes both reach the cores'
 dot-product peak. On AMX CPUs oneDNN's AMX GEMM is several times faster at prefill
-sizes, so they (and float32 everywhere) get :class:`OneDNNPackedGemm`:
+sizes, so they (and float32 everywhere) get :class:`OneDNNPackedGemm`. A bf16 weight
+that must stay plain (an LM head tied to the embedding, which ``F.linear`` would
+reorder in every call) gets :class:`AVX512BF16PlainGemv` for decode batch sizes.
+
 
 ``F.linear`` hands oneDNN a plain ``[out, in]`` weight, which it reorders into its
 blocked layout inside every call. Reordering once after loading and calling oneDNN's
@@ -20,10 +23,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec
 from engine.plugins.cpu import kernel_build
-from engine.plugins.cpu.native import load_kernels
+from engine.plugins.cpu.native import GEMV_MAX_ROWS, load_kernels
 
 AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 
@@ -97,3 +101,39 @@ class AVX512BF16Gemm(DenseGemmKernel):
         self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return self.kernels.gemm_bf16(weight, x, bias)
+
+
+class AVX512BF16PlainGemv(DenseGemmKernel):
+    """``y = x W^T + b`` on the plain ``[out, in]`` bf16 weight (kept as is, so a weight
+    shared with the embedding can use it): the C row GEMV for up to GEMV_MAX_ROWS rows
+    of x, ``F.linear`` above that. A tied 16000 x 512 LM head at one row: ~3x F.linear."""
+
+    name: ClassVar[str] = "avx512_bf16_plain_gemv"
+    keeps_layout: ClassVar[bool] = True
+
+    @classmethod
+    def can_implement(cls, spec: DenseLayerSpec) -> str | None:
+        if spec.device.type != "cpu":
+            return f"weights on {spec.device}, not the CPU"
+        if spec.dtype != torch.bfloat16:
+            return f"dtype {spec.dtype}: this kernel is bf16 only"
+        kernels = load_kernels()
+        if kernels is None or not kernels.has_bf16_gemm:
+            return "the C kernels are not built or this CPU lacks AVX512-BF16"
+        return None
+
+    def __init__(self) -> None:
+        kernels = load_kernels()
+        if kernels is None or not kernels.has_bf16_gemm:
+            raise RuntimeError("the AVX512-BF16 GEMV is not available on this machine")
+        self.kernels = kernels
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def apply(
+        self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS and x.dtype == weight.dtype:
+            return self.kernels.gemv_bf16(weight, x, bias)
+        return F.linear(x, weight, bias)

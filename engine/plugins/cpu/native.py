@@ -31,6 +31,7 @@ MAX_HEAD_SIZE = 512  # the C code's bounds
 MAX_GROUP = 64
 MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
 MAX_SPLITS = 64  # key ranges per (request, KV head)
+GEMV_MAX_ROWS = 4  # rows of x gemv_bf16 takes (GEMV_ROWS_MAX in gemm_bf16.c)
 MIN_KEYS_PER_SPLIT = 256  # shorter ranges cost more to merge than they save
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOCK = threading.Lock()
@@ -88,6 +89,10 @@ class CPUKernels(FusedOps):
         self._pack_bf16 = _bind(lib.pack_bf16_vnni, [_ptr, _i64, _i64, _ptr])
         self._gemm_bf16 = _bind(lib.gemm_bf16_vnni, [
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weight, bias (or NULL)
+            _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
+        ])
+        self._gemv_bf16 = _bind(lib.gemv_bf16_rows, [
+            _ptr, _i64, _ptr, _i64, _ptr,  # x, x row stride, weight, weight row stride, bias
             _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
         ])
         self.has_bf16_gemm = bool(_bind(lib.gemm_bf16_available, [])())
@@ -222,6 +227,33 @@ class CPUKernels(FusedOps):
             _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(),
                                    bias.data_ptr() if bias is not None else None,
                                    out.data_ptr(), n, rows.shape[0], n, k), "gemm_bf16")
+        return out.view(*x.shape[:-1], n)
+
+    def gemv_bf16(
+        self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [..., K] @ weight.T (+ bias)`` for a plain ``[N, K]`` bf16 weight and at most
+        GEMV_MAX_ROWS rows of x (decode batch sizes): whole weight rows streamed once."""
+        k = x.shape[-1]
+        rows = x.reshape(-1, k)
+        n = weight.shape[0]
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not k:
+            raise ValueError(f"gemv_bf16 takes bfloat16 inputs, not {x.dtype} / {weight.dtype}")
+        if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+            raise ValueError(f"weight {tuple(weight.shape)} is not a row-major [N, {k}]")
+        if not 1 <= rows.shape[0] <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_bf16 takes 1 to {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
+        ldx = rows.stride(0) if rows.shape[0] > 1 else k
+        ldw = weight.stride(0) if n > 1 else k
+        _check(self._gemv_bf16(rows.data_ptr(), ldx, weight.data_ptr(), ldw,
+                               bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
+                               rows.shape[0], n, k), "gemv_bf16")
         return out.view(*x.shape[:-1], n)
 
     @staticmethod

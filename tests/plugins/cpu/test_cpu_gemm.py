@@ -15,7 +15,7 @@ from engine.model_executor.layers.linear import (
     pack_dense_weights,
 )
 from engine.plugins.cpu import gemm as cpu_gemm
-from engine.plugins.cpu.gemm import AVX512BF16Gemm, OneDNNPackedGemm
+from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
 from engine.plugins.cpu.platform import CPUPlatform
 
 CPU = torch.device("cpu")
@@ -26,7 +26,9 @@ def _spec(dtype: torch.dtype) -> DenseLayerSpec:
 
 
 def test_cpu_platform_prefers_its_own_bf16_gemm_then_onednn():
-    assert CPUPlatform().dense_gemm_kernels() == [AVX512BF16Gemm, OneDNNPackedGemm]
+    assert CPUPlatform().dense_gemm_kernels() == [
+        AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv
+    ]
 
 
 def _bf16_gemm() -> AVX512BF16Gemm:
@@ -189,3 +191,55 @@ def test_kernels_are_offered_in_preference_order():
     assert net.proj.gemm_kernel is None  # F.linear stays
     assert pack_dense_weights(net, [_Refuses, OneDNNPackedGemm]) == 3
     assert isinstance(net.proj.gemm_kernel, OneDNNPackedGemm)
+
+
+def _plain_gemv() -> AVX512BF16PlainGemv:
+    reason = AVX512BF16PlainGemv.can_implement(DenseLayerSpec(64, 64, torch.bfloat16, CPU))
+    if reason is not None:
+        pytest.skip(reason)
+    return AVX512BF16PlainGemv()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 33), (67, 100), (130, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plain_gemv_matches_float64(num_tokens, out_features, in_features, with_bias):
+    """Up to 4 rows through the C row GEMV (every tail of 4 weight rows and of 32 input
+    features), more through F.linear; the weight is used as it is."""
+    kernel = _plain_gemv()
+    gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(num_tokens, in_features, generator=gen).bfloat16()
+    assert kernel.prepare(weight) is weight
+    y = kernel.apply(weight, x, bias)
+    ref, tol = _bf16_reference(x, weight, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, out_features)
+    assert bool(((y.double() - ref).abs() <= tol).all())
+
+
+def test_plain_gemv_reads_strided_rows_and_refuses_bad_input():
+    kernel = _plain_gemv()
+    weight = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 128).bfloat16()[:, 32:96]
+    ref, tol = _bf16_reference(x, weight, None)
+    assert bool(((kernel.apply(weight, x).double() - ref).abs() <= tol).all())
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        kernel.kernels.gemv_bf16(weight, torch.randn(5, 64).bfloat16())
+    with pytest.raises(ValueError, match="row-major"):
+        kernel.kernels.gemv_bf16(weight, torch.randn(1, 32).bfloat16())
+
+
+def test_a_tied_head_keeps_the_shared_weight_and_takes_only_layout_keeping_kernels():
+    _plain_gemv()
+    torch.manual_seed(0)
+    net = _TinyNet(tied=True).to(torch.bfloat16)
+    ids = torch.tensor([1, 5, 31])
+    expected = net(ids[:1])
+    embedding = net.embed.weight
+    packed = pack_dense_weights(net, [AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv])
+    assert packed == 3
+    assert isinstance(net.head.gemm_kernel, AVX512BF16PlainGemv)
+    assert net.head.weight is embedding and net.embed.weight is embedding
+    assert not isinstance(net.proj.gemm_kernel, AVX512BF16PlainGemv)
+    torch.testing.assert_close(net(ids[:1]), expected, atol=0.1, rtol=2e-2)

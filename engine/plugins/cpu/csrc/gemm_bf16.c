@@ -22,16 +22,25 @@
  * (nearest even), after the bias add -- what oneDNN's bf16 GEMM does, up to the order
  * of the float32 sums.
  *
+ * gemv_bf16_rows serves a weight that must keep its plain [N, K] layout (an LM head
+ * sharing the embedding matrix) at decode batch sizes: each thread streams whole rows,
+ * 4 at a time, against up to GEMV_ROWS_MAX rows of x.
+ *
  * Built by engine/plugins/cpu/native.py with -march=native; on CPUs without
  * AVX512-BF16 the entry points report themselves unavailable (gemm_bf16_available).
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define PANEL 64      /* output columns per packed panel */
 #define ROWS_MAX 6    /* rows of x per register block */
 #define ROWS_CHUNK 48 /* rows of x per parallel work item */
 #define PREFETCH_PAIRS 8 /* how many pairs of k ahead the panel is prefetched */
+#define GEMV_ROWS_MAX 4  /* rows of x gemv_bf16_rows takes */
+#define GEMV_W_ROWS 4    /* weight rows per register block */
+#define GEMV_TASK_ROWS 64 /* weight rows per parallel work item */
 
 static inline int64_t panel_width(int64_t p, int64_t n) {
     const int64_t left = n - p * PANEL;
@@ -158,6 +167,88 @@ int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
     return 0;
 }
 
+/* out[r][n0 + w] = x[r] . W[n0 + w] (+ bias) for R rows of x and W rows n0 .. n0 + 3 */
+static inline __attribute__((always_inline)) void plain_rows_block(
+    const int R, const int WR, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+    const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t n0, int64_t k)
+{
+    __m512 acc[GEMV_ROWS_MAX][GEMV_W_ROWS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < WR; v++)
+            acc[r][v] = _mm512_setzero_ps();
+    /* row after row: the block's rows are adjacent in memory, so this reads one
+       sequential stream (interleaving them would make four streams of one short row) */
+    for (int v = 0; v < WR; v++) {
+        __m512 odd[GEMV_ROWS_MAX]; /* a second chain per row: half the add latency */
+        for (int r = 0; r < R; r++)
+            odd[r] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 64 <= k; i += 64) {
+            const uint16_t *row = w + (n0 + v) * ldw + i;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + 32);
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = x + r * ldx + i;
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w0, (__m512bh)_mm512_loadu_si512(xr));
+                odd[r] = _mm512_dpbf16_ps(odd[r], w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+            }
+        }
+        for (; i < k; i += 32) {
+            const __mmask32 lanes = k - i >= 32 ? 0xffffffffu : (__mmask32)((1ull << (k - i)) - 1);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, w + (n0 + v) * ldw + i);
+            for (int r = 0; r < R; r++) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + r * ldx + i);
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv, xv);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            acc[r][v] = _mm512_add_ps(acc[r][v], odd[r]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < WR; v++) {
+            float sum = _mm512_reduce_add_ps(acc[r][v]);
+            if (bias != NULL)
+                sum += bf16_to_f32(bias[n0 + v]);
+            out[r * ldo + n0 + v] = f32_to_bf16(sum);
+        }
+}
+
+#define PLAIN_FOR_ROWS(WR)                                                                    \
+    switch (m) {                                                                              \
+    case 1: plain_rows_block(1, WR, x, ldx, w, ldw, bias, out, ldo, n, k); break;             \
+    case 2: plain_rows_block(2, WR, x, ldx, w, ldw, bias, out, ldo, n, k); break;             \
+    case 3: plain_rows_block(3, WR, x, ldx, w, ldw, bias, out, ldo, n, k); break;             \
+    default: plain_rows_block(4, WR, x, ldx, w, ldw, bias, out, ldo, n, k); break;            \
+    }
+
+/*
+ * out [M, N] = x [M, K] times a plain row-major W [N, K] (row stride ldw), plus bias
+ * [N] when not NULL, for M <= GEMV_ROWS_MAX. 0, or -1 for sizes it does not take.
+ */
+int gemv_bf16_rows(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n_total,
+                   int64_t k)
+{
+    if (m < 1 || m > GEMV_ROWS_MAX || n_total <= 0 || k <= 0 || ldx < k || ldw < k ||
+        ldo < n_total)
+        return -1;
+    const int64_t tasks = (n_total + GEMV_TASK_ROWS - 1) / GEMV_TASK_ROWS;
+#pragma omp parallel for schedule(static) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t end = (task + 1) * GEMV_TASK_ROWS < n_total ? (task + 1) * GEMV_TASK_ROWS
+                                                                  : n_total;
+        for (int64_t n = task * GEMV_TASK_ROWS; n < end; n += GEMV_W_ROWS) {
+            switch (end - n < GEMV_W_ROWS ? end - n : GEMV_W_ROWS) {
+            case 1: PLAIN_FOR_ROWS(1); break;
+            case 2: PLAIN_FOR_ROWS(2); break;
+            case 3: PLAIN_FOR_ROWS(3); break;
+            default: PLAIN_FOR_ROWS(4); break;
+            }
+        }
+    }
+    return 0;
+}
+
 #else /* no AVX512-BF16 on the build machine: the platform keeps oneDNN */
 
 int gemm_bf16_available(void) { return 0; }
@@ -168,6 +259,15 @@ int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
 {
     (void)x, (void)ldx, (void)packed, (void)bias, (void)out, (void)ldo, (void)m, (void)n,
         (void)k;
+    return -1;
+}
+
+int gemv_bf16_rows(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n_total,
+                   int64_t k)
+{
+    (void)x, (void)ldx, (void)w, (void)ldw, (void)bias, (void)out, (void)ldo, (void)m,
+        (void)n_total, (void)k;
     return -1;
 }
 
