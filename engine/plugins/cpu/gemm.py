@@ -1,14 +1,14 @@
 """The CPU platform's GEMMs for unquantized linears, weights repacked once after loading.
 
-:class:`AVX512BF16Gemm` (bf16 on CPUs with AVX512-BF16 and no AMX) runs the plugin's C
-kernel (csrc/gemm_bf16.c): ~2 us of fixed cost per call against oneDNN's ~15 us and a
-panel layout that streams at memory speed, so a batch-1 decode step of llama-tiny
-spends 1.5 ms in its linears instead of 2.5 ms; at prefill sizes both reach the cores'
+:class:`AVX512BF16Gemm` (bf16 on CPUs with AVX512-BF16) runs the plugin's C kernel
+(csrc/gemm_bf16.c): ~2 us of fixed cost per call against oneDNN's ~15 us and a panel
+layout that streams at memory speed, so a batch-1 decode step of llama-tiny spends
+1.5 ms in its linears instead of 2.5 ms; at prefill sizes both reach the cores'
 dot-product peak. On AMX CPUs oneDNN's AMX GEMM is several times faster at prefill
-sizes, so they (and float32 everywhere) get :class:`OneDNNPackedGemm`. A bf16 weight
+sizes, so the platform puts :class:`OneDNNPackedGemm` first there (it also takes
+float32 everywhere); :func:`gemm_preference` says which order applies. A bf16 weight
 that must stay plain (an LM head tied to the embedding, which ``F.linear`` would
 reorder in every call) gets :class:`AVX512BF16PlainGemv` for decode batch sizes.
-
 
 ``F.linear`` hands oneDNN a plain ``[out, in]`` weight, which it reorders into its
 blocked layout inside every call. Reordering once after loading and calling oneDNN's
@@ -20,6 +20,7 @@ accumulation order changes the last bits.
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -30,6 +31,23 @@ from engine.plugins.cpu import kernel_build
 from engine.plugins.cpu.native import GEMV_MAX_ROWS, load_kernels
 
 AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
+GEMM_ENV = "ENGINE_CPU_GEMM"  # auto | onednn | avx512_bf16
+
+
+def gemm_preference() -> list[type[DenseGemmKernel]]:
+    """The CPU platform's dense kernels, preferred first: the AVX512-BF16 kernel before
+    oneDNN unless the CPU has AMX (``$ENGINE_CPU_GEMM`` = ``onednn`` or ``avx512_bf16``
+    puts that one first whatever the CPU); the plain GEMV takes what both refuse."""
+    choice = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "onednn", "avx512_bf16"):
+        raise ValueError(f"{GEMM_ENV}={choice!r}: expected auto, onednn or avx512_bf16")
+    onednn_first = choice == "onednn" or (
+        choice == "auto" and AMX_FLAGS <= kernel_build.cpu_flags()
+    )
+    first, second = (
+        (OneDNNPackedGemm, AVX512BF16Gemm) if onednn_first else (AVX512BF16Gemm, OneDNNPackedGemm)
+    )
+    return [first, second, AVX512BF16PlainGemv]
 
 
 def _onednn_linear_available() -> bool:
@@ -81,8 +99,6 @@ class AVX512BF16Gemm(DenseGemmKernel):
             return f"weights on {spec.device}, not the CPU"
         if spec.dtype != torch.bfloat16:
             return f"dtype {spec.dtype}: this kernel is bf16 only"
-        if AMX_FLAGS <= kernel_build.cpu_flags():
-            return "this CPU has AMX: oneDNN's AMX GEMM is faster at prefill sizes"
         kernels = load_kernels()
         if kernels is None or not kernels.has_bf16_gemm:
             return "the C kernels are not built or this CPU lacks AVX512-BF16"

@@ -189,9 +189,9 @@ class CPUPlatform(Platform):
         return backends
 
     def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
-        from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
+        from engine.plugins.cpu.gemm import gemm_preference
 
-        return [AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv]
+        return gemm_preference()
 
     def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""

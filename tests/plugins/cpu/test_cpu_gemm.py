@@ -25,10 +25,29 @@ def _spec(dtype: torch.dtype) -> DenseLayerSpec:
     return DenseLayerSpec(in_features=8, out_features=4, dtype=dtype, device=CPU)
 
 
-def test_cpu_platform_prefers_its_own_bf16_gemm_then_onednn():
+def test_cpu_platform_prefers_its_own_bf16_gemm_then_onednn(monkeypatch):
+    monkeypatch.delenv(cpu_gemm.GEMM_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert CPUPlatform().dense_gemm_kernels() == [
         AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv
     ]
+
+
+def test_amx_cpus_and_the_environment_put_onednn_first(monkeypatch):
+    onednn_first = [OneDNNPackedGemm, AVX512BF16Gemm, AVX512BF16PlainGemv]
+    monkeypatch.delenv(cpu_gemm.GEMM_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset(
+        {"avx512_bf16", "amx_bf16", "amx_tile"}))
+    # oneDNN's AMX GEMM is several times faster at prefill sizes.
+    assert CPUPlatform().dense_gemm_kernels() == onednn_first
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512_bf16")
+    assert CPUPlatform().dense_gemm_kernels()[0] is AVX512BF16Gemm
+    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset())
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+    assert CPUPlatform().dense_gemm_kernels() == onednn_first
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="ENGINE_CPU_GEMM='mkl'"):
+        CPUPlatform().dense_gemm_kernels()
 
 
 def _bf16_gemm() -> AVX512BF16Gemm:
@@ -79,7 +98,7 @@ def test_bf16_gemm_reads_strided_and_batched_inputs():
     assert bool(((kernel.apply(packed, single).double() - ref).abs() <= tol).all())
 
 
-def test_bf16_gemm_refuses_what_it_cannot_run(monkeypatch):
+def test_bf16_gemm_refuses_what_it_cannot_run():
     def spec(out_features=64, in_features=64, dtype=torch.bfloat16, device=CPU):
         return DenseLayerSpec(in_features, out_features, dtype, device)
 
@@ -99,10 +118,6 @@ def test_bf16_gemm_refuses_what_it_cannot_run(monkeypatch):
         kernel.apply(packed, torch.randn(2, 6).bfloat16())
     with pytest.raises(ValueError, match="bias"):
         kernel.apply(packed, torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
-    # An AMX CPU runs oneDNN's AMX GEMM instead, several times faster at prefill sizes.
-    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset(
-        {"avx512_bf16", "amx_bf16", "amx_tile"}))
-    assert "AMX" in AVX512BF16Gemm.can_implement(spec())
 
 
 def test_packed_gemm_refuses_what_it_cannot_run():
