@@ -174,8 +174,8 @@ static inline __attribute__((always_inline)) void prefetch_row(
     const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
     const char *k = (const char *)k_cache + index * size, *v = (const char *)v_cache + index * size;
     for (int64_t offset = 0; offset < count * size; offset += 64) {
-        __builtin_prefetch(k + offset, 0, 3);
-        __builtin_prefetch(v + offset, 0, 3);
+        __builtin_prefetch(k + offset, 0, 2); /* into L2: 4 blocks of rows would crowd L1 */
+        __builtin_prefetch(v + offset, 0, 2);
     }
 }
 
