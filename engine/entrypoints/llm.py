@@ -10,7 +10,7 @@ from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_defaults import load_sampling_defaults
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +157,23 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _broadcast_params(
     params: SamplingParams | Sequence[SamplingParams], n: int
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each asking only for its final output (offline
+    calls return finished requests, so per-step outputs would be built for nothing; the
+    caller's objects are left as they are)."""
     if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
+        return [_final_only(params)] * n
+    params = [_final_only(p) for p in params]
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
+from engine.core.sampling_params import RequestOutputKind
 from tests.helpers.hf_models import SAMPLE_TEXT
 from tests.helpers.hf_reference import cpu_llm
 
@@ -222,6 +223,16 @@ def test_max_tokens_finishes_with_length(llm):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5
     assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def test_offline_calls_take_final_outputs_only_and_leave_the_params_alone(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    outs = llm.generate(["Once", "upon"], params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert [(len(o.outputs[0].token_ids), o.finished) for o in outs] == [(4, True), (4, True)]
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate("Once", ["greedy"], use_tqdm=False)
+    _assert_no_leak(llm)
 
 
 def test_eos_stops_unless_ignore_eos(llm, tokenizer):
