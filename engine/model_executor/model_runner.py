@@ -80,6 +80,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.platform = platform
         self.device = platform.device()
+        self._device_is_host = self.device.type == "cpu"
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
@@ -173,14 +174,14 @@ class ModelRunner:
             so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
         )
         step = self.input_batch.prepare_step(rows, num_scheduled)
-        dev = self.device
+        upload = self._upload
         batch = AttentionBatch(
             num_reqs=len(step.rows),
             num_tokens=len(step.input_ids),
-            query_start_loc=torch.from_numpy(step.query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(step.seq_lens).to(dev),
-            block_tables=torch.from_numpy(step.block_tables).to(dev),
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
+            query_start_loc=upload(step.query_start_loc),
+            seq_lens=upload(step.seq_lens),
+            block_tables=upload(step.block_tables),
+            slot_mapping=upload(step.slot_mapping),
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
             query_start_loc_cpu=step.query_start_loc,
@@ -189,10 +190,15 @@ class ModelRunner:
         return StepInputs(
             req_ids=req_ids,
             step=step,
-            input_ids=torch.from_numpy(step.input_ids).to(dev),
-            positions=torch.from_numpy(step.positions).to(dev),
+            input_ids=upload(step.input_ids),
+            positions=upload(step.positions),
             attn_metadata=self.attn_backend.build_metadata(batch),
         )
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the device (shared memory when that is the host)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self._device_is_host else tensor.to(self.device, non_blocking=True)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         with set_forward_context(ForwardContext(inputs.attn_metadata, self.kv_caches)):
@@ -210,7 +216,7 @@ class ModelRunner:
         if not len(step.sample_batch_idx):
             return [], {}
         if len(step.logits_indices) < hidden.shape[0]:
-            idx = torch.from_numpy(step.logits_indices).to(self.device)
+            idx = self._upload(step.logits_indices)
             hidden = hidden.index_select(0, idx)
         logits = self.model.compute_logits(hidden)  # every token samples: all of hidden
         sample_rows = step.rows[step.sample_batch_idx]

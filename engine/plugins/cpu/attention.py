@@ -430,14 +430,14 @@ class CPUAttentionBackend(AttentionBackend):
             block_size=bs,
             slot_mapping=slot_mapping.contiguous(),
             decode_rows=decode_rows,
-            decode_seq_lens=decode_seq_lens.to(self.device),
+            decode_seq_lens=decode_seq_lens,
             decode_block_tables=decode_tables,
             prefills=prefills,
             max_decode_seq_len=int(seq_lens[decode_reqs].max()) if len(decode_reqs) else 0,
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))  # host = device
 
 
 def _host(array, tensor: torch.Tensor) -> np.ndarray:
