@@ -177,6 +177,36 @@ def test_bfloat16_logprobs_close_to_transformers(llama_dir):
         assert abs(lp[tok].logprob - want) < 0.1, (j, lp[tok].logprob, want)
 
 
+@pytest.mark.parametrize(
+    "variant", ["llama-gqa", "llama-mqa-tied", "llama-headdim48", "mistral-sw", "qwen2", "qwen3"]
+)
+def test_bfloat16_batched_logprobs_close_to_transformers(model_dir_factory, variant):
+    """bf16 end to end, several requests per step (the CPU plugin's bf16 GEMMs at M > 1,
+    the tied head's GEMV, paged decode attention over dim-pair keys, windows, biases):
+    scored by transformers in float32, the engine's tokens must be as close as
+    transformers' own bfloat16 model is (its error is the floor bf16 allows)."""
+    path = model_dir_factory(variant)
+    hf = _hf_model(path)
+    hf_bf16 = _hf_model(path).to(torch.bfloat16)
+    llm = _engine(path, dtype="bfloat16")
+    prompts = _prompts(hf.config.vocab_size, lengths=[3, 17, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine_err = hf_bf16_err = 0.0
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        ids = torch.tensor([prompt + tokens])
+        with torch.inference_mode():
+            ref = hf(ids).logits[0].double().log_softmax(-1)
+            ref_bf16 = hf_bf16(ids).logits[0].double().log_softmax(-1)
+        for j, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            pos = len(prompt) - 1 + j
+            want = float(ref[pos, tok])
+            engine_err = max(engine_err, abs(lp[tok].logprob - want))
+            hf_bf16_err = max(hf_bf16_err, abs(float(ref_bf16[pos, tok]) - want))
+    assert engine_err <= 1.25 * hf_bf16_err + 0.02, (engine_err, hf_bf16_err)
+
+
 def test_missing_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match="does not exist|not found|no such"):
         LLM(str(tmp_path / "nope"), device="cpu")
