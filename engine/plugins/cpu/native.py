@@ -212,22 +212,24 @@ class CPUKernels(FusedOps):
         k = x.shape[-1]
         if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or not k:
             raise ValueError(f"gemm_bf16 takes bfloat16 inputs, not {x.dtype}")
-        if packed.numel() % k:
+        n, leftover = divmod(packed.numel(), k)
+        if leftover:
             raise ValueError(f"a packed weight of {packed.numel()} values has no rows of {k}")
-        n = packed.numel() // k
         if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
-        rows = x.reshape(-1, k)
+        flat = x.dim() != 2  # the common 2-D input goes through without reshapes
+        rows = x.reshape(-1, k) if flat else x
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-        if rows.shape[0]:
-            ldx = rows.stride(0) if rows.shape[0] > 1 else k  # one row: any stride is fine
+        m = rows.shape[0]
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        if m:
+            ldx = rows.stride(0) if m > 1 else k  # one row: any stride is fine
             _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(),
                                    bias.data_ptr() if bias is not None else None,
-                                   out.data_ptr(), n, rows.shape[0], n, k), "gemm_bf16")
-        return out.view(*x.shape[:-1], n)
+                                   out.data_ptr(), n, m, n, k), "gemm_bf16")
+        return out.view(*x.shape[:-1], n) if flat else out
 
     def gemv_bf16(
         self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -437,16 +437,20 @@ static inline __attribute__((always_inline)) void merge_and_store(
             if (lo >= hi) { /* an empty range: contributes nothing to the merge */           \
                 for (int g = 0; g < group; g++) part[g] = -INFINITY, part[group + g] = 0.0f; \
                 memset(part + 2 * group, 0, sizeof(float) * group * head_size);              \
-                continue;                                                                    \
+            } else {                                                                         \
+                attend_task(q, r * q_req_stride + (int64_t)kvh * group * q_head_stride,      \
+                            q_head_stride, k_cache, v_cache, block_tables + r * bt_stride,   \
+                            lo, hi, kvh * row_len, num_kv_heads * row_len, part,             \
+                            part + group, part + 2 * group, group, head_size, block_size,    \
+                            DTYPE, scale, soft_cap);                                         \
             }                                                                                \
-            attend_task(q, r * q_req_stride + (int64_t)kvh * group * q_head_stride,          \
-                        q_head_stride, k_cache, v_cache, block_tables + r * bt_stride,       \
-                        lo, hi, kvh * row_len, num_kv_heads * row_len, part, part + group,   \
-                        part + 2 * group, group, head_size, block_size, DTYPE, scale,        \
-                        soft_cap);                                                           \
+            if (num_splits == 1) /* the whole task: normalize now, no second pass */        \
+                merge_and_store(part, 1, part_stride, group, head_size, out,                 \
+                                ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
+                                DTYPE);                                                      \
         }                                                                                    \
         _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                      \
-        for (int task = 0; task < num_tasks; task++) {                                       \
+        for (int task = 0; task < num_tasks * (num_splits > 1); task++) {                    \
             const int r = task / num_kv_heads, kvh = task % num_kv_heads;                    \
             merge_and_store(parts + (int64_t)task * num_splits * part_stride, num_splits,    \
                             part_stride, group, head_size, out,                              \
