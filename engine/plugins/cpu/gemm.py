@@ -87,7 +87,29 @@ class OneDNNPackedGemm(DenseGemmKernel):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class AVX512BF16Gemm(DenseGemmKernel):
+def _native_bf16_refusal(spec: DenseLayerSpec) -> str | None:
+    """Why the plugin's AVX512-BF16 kernels cannot take ``spec`` at all (None: they can)."""
+    if spec.device.type != "cpu":
+        return f"weights on {spec.device}, not the CPU"
+    if spec.dtype != torch.bfloat16:
+        return f"dtype {spec.dtype}: this kernel is bf16 only"
+    kernels = load_kernels()
+    if kernels is None or not kernels.has_bf16_gemm:
+        return "the C kernels are not built or this CPU lacks AVX512-BF16"
+    return None
+
+
+class _NativeBF16Kernel(DenseGemmKernel):
+    """A kernel of the plugin's C library that needs AVX512-BF16."""
+
+    def __init__(self) -> None:
+        kernels = load_kernels()
+        if kernels is None or not kernels.has_bf16_gemm:
+            raise RuntimeError(f"{self.name} is not available on this machine")
+        self.kernels = kernels
+
+
+class AVX512BF16Gemm(_NativeBF16Kernel):
     """``y = x W^T + b`` in bf16 through the plugin's AVX512-BF16 kernel (dot products of
     bf16 pairs into float32), ``W`` packed into its panel layout once."""
 
@@ -95,20 +117,10 @@ class AVX512BF16Gemm(DenseGemmKernel):
 
     @classmethod
     def can_implement(cls, spec: DenseLayerSpec) -> str | None:
-        if spec.device.type != "cpu":
-            return f"weights on {spec.device}, not the CPU"
-        if spec.dtype != torch.bfloat16:
-            return f"dtype {spec.dtype}: this kernel is bf16 only"
-        kernels = load_kernels()
-        if kernels is None or not kernels.has_bf16_gemm:
-            return "the C kernels are not built or this CPU lacks AVX512-BF16"
-        return kernels.bf16_gemm_refusal(spec.out_features, spec.in_features)
-
-    def __init__(self) -> None:
-        kernels = load_kernels()
-        if kernels is None or not kernels.has_bf16_gemm:
-            raise RuntimeError("the AVX512-BF16 GEMM is not available on this machine")
-        self.kernels = kernels
+        refusal = _native_bf16_refusal(spec)
+        if refusal is not None:
+            return refusal
+        return load_kernels().bf16_gemm_refusal(spec.out_features, spec.in_features)
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return self.kernels.pack_bf16(weight.detach())
@@ -119,7 +131,7 @@ class AVX512BF16Gemm(DenseGemmKernel):
         return self.kernels.gemm_bf16(weight, x, bias)
 
 
-class AVX512BF16PlainGemv(DenseGemmKernel):
+class AVX512BF16PlainGemv(_NativeBF16Kernel):
     """``y = x W^T + b`` on the plain ``[out, in]`` bf16 weight (kept as is, so a weight
     shared with the embedding can use it): the C row GEMV for up to GEMV_MAX_ROWS rows
     of x, ``F.linear`` above that. A tied 16000 x 512 LM head at one row: ~3x F.linear."""
@@ -129,20 +141,7 @@ class AVX512BF16PlainGemv(DenseGemmKernel):
 
     @classmethod
     def can_implement(cls, spec: DenseLayerSpec) -> str | None:
-        if spec.device.type != "cpu":
-            return f"weights on {spec.device}, not the CPU"
-        if spec.dtype != torch.bfloat16:
-            return f"dtype {spec.dtype}: this kernel is bf16 only"
-        kernels = load_kernels()
-        if kernels is None or not kernels.has_bf16_gemm:
-            return "the C kernels are not built or this CPU lacks AVX512-BF16"
-        return None
-
-    def __init__(self) -> None:
-        kernels = load_kernels()
-        if kernels is None or not kernels.has_bf16_gemm:
-            raise RuntimeError("the AVX512-BF16 GEMV is not available on this machine")
-        self.kernels = kernels
+        return _native_bf16_refusal(spec)
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
