@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         title = f"engine vs transformers: {Path(args.model).name}"
     env = environment()
     rows += [("workload", f"{shape}, {env_threads}"),
-             ("load avg (1 min)", str(env["load_avg_1m"]))]
+             ("load avg (1 min)", str(env["load_avg_1m"])),
+             ("memory read", f"{env['memory_read_gb_s']} GB/s")]
     print(format_table(rows, title))
     if args.json_path:
         payload = {"model": args.model, "threads": threads, **payload, "environment": env}

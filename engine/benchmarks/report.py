@@ -1,7 +1,9 @@
 """Rendering benchmark results: a plain-text table for people, JSON for machines.
 
 Every report carries the conditions it was measured under (threads, load average,
-torch version), because on a shared machine a figure without them cannot be compared.
+memory read bandwidth, torch version), because on a shared machine a figure without
+them cannot be compared: batch-1 decode streams every weight once per token, so its
+speed follows the memory bandwidth a virtual machine gets at that moment.
 """
 
 from __future__ import annotations
@@ -24,9 +26,24 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m": round(load[0], 2),
+        "memory_read_gb_s": memory_read_gb_s(),
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
+
+
+def memory_read_gb_s(nbytes: int = 128 << 20, repeats: int = 3) -> float:
+    """Best of ``repeats`` timed sums over ``nbytes`` of float32 (larger than the caches
+    of the CPUs this runs on) with torch's threads: the read bandwidth available now."""
+    import torch
+
+    data = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(nbytes / best / 1e9, 1)
 
 
 def format_table(rows: list[tuple[str, str]], title: str) -> str:

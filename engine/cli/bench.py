@@ -92,6 +92,7 @@ def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
     env = environment()
     rows = rows + [
         ("threads / load avg", f"{env['torch_threads']} / {env['load_avg_1m']}"),
+        ("memory read", f"{env['memory_read_gb_s']} GB/s"),
     ]
     click.echo(format_table(rows, f"engine bench {mode}: {llm_info['model']}"))
     if json_path:

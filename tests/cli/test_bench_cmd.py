@@ -69,6 +69,7 @@ def test_throughput(tmp_path, llama_dir):
     assert _is_median_of(results["output_tok_s"], 2) and _is_median_of(results["elapsed_s"], 2)
     assert results["output_tok_s"]["median"] > 0
     assert report["environment"]["torch_threads"] >= 1
+    assert report["environment"]["memory_read_gb_s"] > 0  # the bandwidth batch-1 decode had
 
 
 def test_latency(tmp_path, llama_dir):
