@@ -32,18 +32,18 @@ def environment() -> dict[str, Any]:
     }
 
 
-def memory_read_gb_s(nbytes: int = 128 << 20, repeats: int = 3) -> float:
-    """Best of ``repeats`` timed sums over ``nbytes`` of float32 (larger than the caches
+def memory_read_gb_s(nbytes: int = 128 << 20, repeats: int = 5) -> float:
+    """Median of ``repeats`` timed sums over ``nbytes`` of float32 (larger than the caches
     of the CPUs this runs on) with torch's threads: the read bandwidth available now."""
     import torch
 
     data = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         data.sum()
-        best = min(best, time.perf_counter() - start)
-    return round(nbytes / best / 1e9, 1)
+        times.append(time.perf_counter() - start)
+    return round(nbytes / sorted(times)[len(times) // 2] / 1e9, 1)
 
 
 def format_table(rows: list[tuple[str, str]], title: str) -> str:
