@@ -87,10 +87,12 @@ static inline uint32_t pair_at(const uint16_t *row, int64_t i)
     return pair;
 }
 
-/* rows [0, R) of x times one panel of J x 16 columns (starting at column col) */
+/* rows [0, R) of x times one panel of J x 16 columns (starting at column col);
+ * streamed: the panel is read only this once (see gemm_bf16_vnni) */
 static inline __attribute__((always_inline)) void register_block(
     const int R, const int J, const uint16_t *x, int64_t ldx, const uint16_t *panel,
-    int64_t pairs, const uint16_t *bias, int64_t col, uint16_t *out, int64_t ldo)
+    int64_t pairs, const uint16_t *bias, int64_t col, uint16_t *out, int64_t ldo,
+    int streamed)
 {
     __m512 acc[ROWS_MAX][4];
     for (int j = 0; j < J; j++) {
@@ -103,7 +105,11 @@ static inline __attribute__((always_inline)) void register_block(
         const uint16_t *w = panel + i * stride;
         __m512bh wv[4];
         for (int j = 0; j < J; j++) {
-            _mm_prefetch((const char *)(w + PREFETCH_PAIRS * stride + 32 * j), _MM_HINT_T0);
+            const char *ahead = (const char *)(w + PREFETCH_PAIRS * stride + 32 * j);
+            if (streamed)
+                _mm_prefetch(ahead, _MM_HINT_NTA);
+            else
+                _mm_prefetch(ahead, _MM_HINT_T0);
             wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
         }
         for (int r = 0; r < R; r++) {
@@ -120,15 +126,15 @@ static inline __attribute__((always_inline)) void register_block(
 
 #define BLOCK_FOR_WIDTH(R)                                                                \
     switch (width) {                                                                      \
-    case 64: register_block(R, 4, x, ldx, panel, pairs, bias, col, out, ldo); break;      \
-    case 48: register_block(R, 3, x, ldx, panel, pairs, bias, col, out, ldo); break;      \
-    case 32: register_block(R, 2, x, ldx, panel, pairs, bias, col, out, ldo); break;      \
-    default: register_block(R, 1, x, ldx, panel, pairs, bias, col, out, ldo); break;      \
+    case 64: register_block(R, 4, x, ldx, panel, pairs, bias, col, out, ldo, streamed); break; \
+    case 48: register_block(R, 3, x, ldx, panel, pairs, bias, col, out, ldo, streamed); break; \
+    case 32: register_block(R, 2, x, ldx, panel, pairs, bias, col, out, ldo, streamed); break; \
+    default: register_block(R, 1, x, ldx, panel, pairs, bias, col, out, ldo, streamed); break; \
     }
 
 static void rows_times_panel(int rows, int64_t width, const uint16_t *x, int64_t ldx,
                              const uint16_t *panel, int64_t pairs, const uint16_t *bias,
-                             int64_t col, uint16_t *out, int64_t ldo)
+                             int64_t col, uint16_t *out, int64_t ldo, int streamed)
 {
     switch (rows) {
     case 1: BLOCK_FOR_WIDTH(1); break;
@@ -143,6 +149,13 @@ static void rows_times_panel(int rows, int64_t width, const uint16_t *x, int64_t
 /*
  * out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times the packed W, plus bias
  * [N] when not NULL. 0, or -1 for shapes the packing does not take.
+ *
+ * With M <= ROWS_MAX one register block covers every row, so each panel is read exactly
+ * once: its prefetches then carry the non-temporal hint, and a decode step's sweep over
+ * all the weights (larger than the caches) no longer evicts what the rest of the step
+ * reuses (interpreter state, KV cache, activations). Measured on llama-tiny batch-1
+ * decode: 3.5-3.7 ms per token against 4.0-4.7 ms with the ordinary hint, in alternating
+ * runs. Larger M re-read each panel from L2 per block of rows and keep it there.
  */
 int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                    const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
@@ -152,6 +165,7 @@ int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
         return -1;
     const int64_t panels = (n + PANEL - 1) / PANEL, pairs = k / 2;
     const int64_t chunks = (m + ROWS_CHUNK - 1) / ROWS_CHUNK;
+    const int streamed = m <= ROWS_MAX;
 #pragma omp parallel for collapse(2) schedule(static) if (panels * chunks > 1)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
@@ -161,7 +175,7 @@ int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
             for (int64_t row = c * ROWS_CHUNK; row < end; row += ROWS_MAX) {
                 const int rows = end - row < ROWS_MAX ? (int)(end - row) : ROWS_MAX;
                 rows_times_panel(rows, width, x + row * ldx, ldx, panel, pairs, bias, col,
-                                 out + row * ldo, ldo);
+                                 out + row * ldo, ldo, streamed);
             }
         }
     return 0;
