@@ -215,21 +215,14 @@ class CPUKernels(FusedOps):
         n, leftover = divmod(packed.numel(), k)
         if leftover:
             raise ValueError(f"a packed weight of {packed.numel()} values has no rows of {k}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
-        flat = x.dim() != 2  # the common 2-D input goes through without reshapes
-        rows = x.reshape(-1, k) if flat else x
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        bias_ptr = _bias_pointer(bias, n)
+        rows, ldx = _matrix_rows(x)
         m = rows.shape[0]
         out = torch.empty((m, n), dtype=torch.bfloat16)
         if m:
-            ldx = rows.stride(0) if m > 1 else k  # one row: any stride is fine
-            _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(),
-                                   bias.data_ptr() if bias is not None else None,
+            _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(), bias_ptr,
                                    out.data_ptr(), n, m, n, k), "gemm_bf16")
-        return out.view(*x.shape[:-1], n) if flat else out
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def gemv_bf16(
         self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -237,26 +230,21 @@ class CPUKernels(FusedOps):
         """``x [..., K] @ weight.T (+ bias)`` for a plain ``[N, K]`` bf16 weight and at most
         GEMV_MAX_ROWS rows of x (decode batch sizes): whole weight rows streamed once."""
         k = x.shape[-1]
-        rows = x.reshape(-1, k)
-        n = weight.shape[0]
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not k:
             raise ValueError(f"gemv_bf16 takes bfloat16 inputs, not {x.dtype} / {weight.dtype}")
         if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
             raise ValueError(f"weight {tuple(weight.shape)} is not a row-major [N, {k}]")
-        if not 1 <= rows.shape[0] <= GEMV_MAX_ROWS:
-            raise ValueError(f"gemv_bf16 takes 1 to {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], n), dtype=torch.bfloat16)
-        ldx = rows.stride(0) if rows.shape[0] > 1 else k
+        n = weight.shape[0]
+        bias_ptr = _bias_pointer(bias, n)
+        rows, ldx = _matrix_rows(x)
+        m = rows.shape[0]
+        if not 1 <= m <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_bf16 takes 1 to {GEMV_MAX_ROWS} rows, not {m}")
+        out = torch.empty((m, n), dtype=torch.bfloat16)
         ldw = weight.stride(0) if n > 1 else k
-        _check(self._gemv_bf16(rows.data_ptr(), ldx, weight.data_ptr(), ldw,
-                               bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
-                               rows.shape[0], n, k), "gemv_bf16")
-        return out.view(*x.shape[:-1], n)
+        _check(self._gemv_bf16(rows.data_ptr(), ldx, weight.data_ptr(), ldw, bias_ptr,
+                               out.data_ptr(), n, m, n, k), "gemv_bf16")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     @staticmethod
     def supports_attention(spec) -> bool:
@@ -332,6 +320,24 @@ def decode_key_splits(num_tasks: int, longest: int) -> int:
         return 1
     wanted = -(-2 * threads // num_tasks)
     return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _matrix_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x [..., K]`` as 2-D rows with a unit last stride, and their row stride for C (a
+    single row's stride is irrelevant: K)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
+
+
+def _bias_pointer(bias: torch.Tensor | None, n: int) -> int | None:
+    """The bf16 bias' address for C (None: no bias), once it is known to hold ``n`` values."""
+    if bias is None:
+        return None
+    if bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
+    return bias.data_ptr()
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
