@@ -449,13 +449,15 @@ static inline __attribute__((always_inline)) void merge_and_store(
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
                                 DTYPE);                                                      \
         }                                                                                    \
-        _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                      \
-        for (int task = 0; task < num_tasks * (num_splits > 1); task++) {                    \
-            const int r = task / num_kv_heads, kvh = task % num_kv_heads;                    \
-            merge_and_store(parts + (int64_t)task * num_splits * part_stride, num_splits,    \
-                            part_stride, group, head_size, out,                              \
-                            ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size,     \
-                            DTYPE);                                                          \
+        if (num_splits > 1) { /* merge each task's partial softmaxes */                     \
+            _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                  \
+            for (int task = 0; task < num_tasks; task++) {                                   \
+                const int r = task / num_kv_heads, kvh = task % num_kv_heads;                \
+                merge_and_store(parts + (int64_t)task * num_splits * part_stride,            \
+                                num_splits, part_stride, group, head_size, out,              \
+                                ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
+                                DTYPE);                                                      \
+            }                                                                                \
         }                                                                                    \
         free(parts);                                                                         \
         return 0;                                                                            \
