@@ -34,6 +34,8 @@ class ModelConfig(BaseModel):
     # Sampling defaults: "auto" (the model's generation_config.json), "vllm" (none) or a
     # directory holding a generation_config.json (engine.core.sampling_defaults).
     generation_config: str = "auto"
+    # Run every step eagerly: no forward graphs (CUDA graphs / CPU call tables).
+    enforce_eager: bool = False
 
     @property
     def tokenizer_path(self) -> str:

@@ -74,6 +74,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
+    enforce_eager: bool = False  # no forward graphs for decode steps
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -117,6 +118,7 @@ class EngineArgs:
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
                 generation_config=self.generation_config,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -60,6 +60,7 @@ class Executor:
             max_num_reqs=sched.max_num_seqs,
             max_model_len=sched.max_model_len,
             block_size=block_size,
+            enforce_eager=config.model.enforce_eager,
         )
         self.runner.allocate_kv_cache(self.kv_spec, self.num_blocks)
         logger.info(

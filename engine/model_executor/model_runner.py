@@ -2,22 +2,24 @@
 
 Each step it (1) applies the scheduler's diffs to the persistent :class:`InputBatch`,
 (2) flattens the scheduled tokens into one batch with bulk numpy work, (3) runs the
-model once over that batch with the platform's attention backend, (4) computes logits
-only for positions that sample (plus prompt positions whose logprobs were asked for)
-and (5) samples. It never names a device: tensors go to ``platform.device()``.
+model once over that batch with the platform's attention backend -- a decode-only step
+by replaying the forward graph of its batch size (:mod:`.decode_graphs`) when the
+platform can capture one --, (4) computes logits only for positions that sample (plus
+prompt positions whose logprobs were asked for) and (5) samples. It never names a
+device: tensors go to ``platform.device()``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from engine.core.interfaces import AttentionBatch, Platform
 from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.input_batch import InputBatch, StepIndices
 from engine.model_executor.sampling import Sampler, SamplingState, compute_prompt_logprobs
@@ -57,9 +59,6 @@ class StepInputs:
 
     req_ids: list[str]  # batch order
     step: StepIndices
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: Any  # whatever the attention backend's build_metadata returned
 
 
 class ModelRunner:
@@ -75,6 +74,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         block_size: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -87,6 +87,9 @@ class ModelRunner:
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, self.device)
         self.sampler = Sampler(platform.fused_ops())
         self.kv_caches: list[torch.Tensor] = []
+        # Forward graphs of decode steps (made with the KV cache), unless forced eager.
+        self._graph_capturer = None if enforce_eager else platform.forward_graph_capturer()
+        self.decode_graphs: DecodeGraphs | None = None
         # Requests whose prompt logprobs are still due (kept across preemption).
         self._prompt_logprobs: dict[str, _PromptLogprobsProgress] = {}
 
@@ -96,6 +99,16 @@ class ModelRunner:
             num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
         self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
+        if self._graph_capturer is not None:
+            self.decode_graphs = DecodeGraphs(
+                self._graph_capturer,
+                self.model,
+                self.attn_backend,
+                self.kv_caches,
+                max_batch_size=self.input_batch.max_num_reqs,
+                max_blocks_per_seq=self.input_batch.block_table.shape[1],
+                device=self.device,
+            )
 
     # -- state updates --------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -166,14 +179,24 @@ class ModelRunner:
         )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled tokens (bulk numpy) and build the attention metadata."""
+        """Flatten the scheduled tokens (bulk numpy)."""
         req_ids = list(so.num_scheduled_tokens)
         row_of = self.input_batch.req_id_to_row
         rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled = np.fromiter(
             so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
         )
-        step = self.input_batch.prepare_step(rows, num_scheduled)
+        return StepInputs(req_ids, self.input_batch.prepare_step(rows, num_scheduled))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's hidden states: a forward graph's replay for a decode step it
+        covers, else the model called eagerly with the step's attention metadata."""
+        step = inputs.step
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(step):
+            hidden = graphs.forward(step)
+            if hidden is not None:
+                return hidden
         upload = self._upload
         batch = AttentionBatch(
             num_reqs=len(step.rows),
@@ -187,22 +210,14 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc,
             seq_lens_cpu=step.seq_lens,
         )
-        return StepInputs(
-            req_ids=req_ids,
-            step=step,
-            input_ids=upload(step.input_ids),
-            positions=upload(step.positions),
-            attn_metadata=self.attn_backend.build_metadata(batch),
-        )
+        metadata = self.attn_backend.build_metadata(batch)
+        with set_forward_context(ForwardContext(metadata, self.kv_caches)):
+            return self.model(upload(step.input_ids), upload(step.positions))
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the device (shared memory when that is the host)."""
         tensor = torch.from_numpy(array)
         return tensor if self._device_is_host else tensor.to(self.device, non_blocking=True)
-
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        with set_forward_context(ForwardContext(inputs.attn_metadata, self.kv_caches)):
-            return self.model(inputs.input_ids, inputs.positions)
 
     def _sample(
         self,

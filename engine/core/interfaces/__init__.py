@@ -13,6 +13,7 @@ from engine.core.interfaces.attention import (
 from engine.core.interfaces.communicator import Communicator
 from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
+from engine.core.interfaces.graphs import ForwardGraph, ForwardGraphCapturer, GraphCaptureError
 from engine.core.interfaces.platform import Platform, ProbeResult
 from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
 
@@ -28,7 +29,10 @@ __all__ = [
     "Communicator",
     "DenseGemmKernel",
     "DenseLayerSpec",
+    "ForwardGraph",
+    "ForwardGraphCapturer",
     "FusedOps",
+    "GraphCaptureError",
     "Platform",
     "ProbeResult",
     "QuantMethod",

@@ -139,6 +139,15 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the step's batch into kernel metadata, once per step for all layers."""
 
+    def build_graph_metadata(self, batch: AttentionBatch) -> Any | None:
+        """Metadata for a decode-only batch (one token per request) whose tensors are the
+        model runner's persistent buffers, for a captured forward: unlike
+        :meth:`build_metadata`'s, it must read those tensors themselves (or views of them),
+        never copies, since every replay reads what the runner wrote there for its step.
+        The runner passes ``seq_lens`` and ``block_tables`` as int64 and nothing but
+        tensors (no host copies). None (the default): this backend cannot be captured."""
+        return None
+
     @abstractmethod
     def make_impl(self, spec: AttentionLayerSpec) -> AttentionImpl:
         """The per-layer kernel object for a layer of shape ``spec``."""

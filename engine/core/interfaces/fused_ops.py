@@ -1,7 +1,7 @@
 """Fused kernels of decoder layers (and the sampler's argmax) that a platform may supply.
 
-At decode batch sizes RMSNorm (with its residual add), the gated activation and the
-rotary embedding are a few kilobytes of arithmetic each, but as chains of torch ops
+At decode batch sizes RMSNorm (with its residual add), the gated activation, the
+rotary embedding and the embedding lookup are a few kilobytes of arithmetic each, but as chains of torch ops
 they cost a dispatch per op, dozens per layer. A platform that has fused kernels for
 them returns a :class:`FusedOps` from ``Platform.fused_ops()``; the model's
 layers then call it for the dtypes it supports and keep their torch op chains
@@ -54,6 +54,11 @@ class FusedOps(ABC):
         """Rotate-half rotary embedding of every head of ``x [T, heads * head_size]``, in
         place; ``cos_sin_cache[p]`` is ``cos | sin`` (head_size values) for position p,
         ``positions`` int64 and within the cache."""
+
+    @abstractmethod
+    def embedding(self, ids: "torch.Tensor", weight: "torch.Tensor") -> "torch.Tensor":
+        """``weight[ids]`` for int64 ``ids [T]`` and a contiguous ``weight [vocab, hidden]``
+        (a ValueError for an id outside the vocabulary)."""
 
     @abstractmethod
     def argmax(self, x: "torch.Tensor") -> "torch.Tensor":

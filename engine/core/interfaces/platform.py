@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from engine.core.interfaces.communicator import Communicator
     from engine.core.interfaces.fused_ops import FusedOps
     from engine.core.interfaces.gemm import DenseGemmKernel
+    from engine.core.interfaces.graphs import ForwardGraphCapturer
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
@@ -144,6 +145,11 @@ class Platform(ABC):
 
     def fused_ops(self) -> "FusedOps | None":
         """Fused norm / activation / rotary kernels, or None (the layers' torch ops)."""
+        return None
+
+    def forward_graph_capturer(self) -> "ForwardGraphCapturer | None":
+        """A new capturer of forward graphs (see ``interfaces.graphs``), or None when the
+        platform has none: every forward then runs eagerly."""
         return None
 
     def check_and_update_config(self, config: Any) -> None:

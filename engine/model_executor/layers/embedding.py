@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec
+from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec, FusedOps
 from engine.model_executor.layers.linear import default_weight_loader, dense_linear, dense_spec
 
 
@@ -20,8 +20,11 @@ class VocabEmbedding(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        fused_ops: FusedOps | None = None,
     ) -> None:
         super().__init__()
+        # The platform's lookup kernel (which a forward graph can replay), else F.embedding.
+        self.fused_ops = fused_ops if fused_ops is not None and fused_ops.supports(dtype) else None
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(
@@ -31,6 +34,9 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        fused = self.fused_ops
+        if fused is not None and input_ids.dim() == 1 and input_ids.dtype == torch.int64:
+            return fused.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)
 
     def extra_repr(self) -> str:

@@ -183,8 +183,10 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
         super().__init__()
         common = {"dtype": ctx.dtype, "device": ctx.device}
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, **common)
         fused = {"fused_ops": ctx.fused_ops}
+        self.embed_tokens = VocabEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, **common, **fused
+        )
         rotary_emb = RotaryEmbedding(
             opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
         )

@@ -55,7 +55,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
-from engine.plugins.cpu.native import CPUKernels, KeyLayout, decode_key_splits, load_kernels
+from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
 
 @dataclass
@@ -123,11 +123,9 @@ class CPUAttentionMetadata:
     decode_seq_lens: torch.Tensor  # int64 [Rd]
     decode_block_tables: torch.Tensor  # int64 [Rd, M]
     prefills: list[_Prefill]
-    max_decode_seq_len: int = 0
     _write_index: _WriteIndex | None = None
     _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
     _prefill_plans: dict[int | None, list[_KeyPlan]] = field(default_factory=dict)
-    _decode_splits: dict[int, int] = field(default_factory=dict)
 
     def write_index(self) -> _WriteIndex:
         """Block / offset of every written row, for the torch-op store (built once)."""
@@ -141,15 +139,6 @@ class CPUAttentionMetadata:
             block = torch.div(slots, bs, rounding_mode="floor")
             self._write_index = _WriteIndex(block, slots - block * bs, rows)
         return self._write_index
-
-    def decode_splits(self, num_kv_heads: int) -> int:
-        """Key ranges per (decode, KV head) for the C kernel (the same in every layer)."""
-        splits = self._decode_splits.get(num_kv_heads)
-        if splits is None:
-            splits = self._decode_splits[num_kv_heads] = decode_key_splits(
-                self.num_decodes * num_kv_heads, self.max_decode_seq_len
-            )
-        return splits
 
     @property
     def num_decodes(self) -> int:
@@ -321,7 +310,6 @@ class CPUAttentionImpl(AttentionImpl):
             return self.kernels.paged_decode_attention(
                 query, key_cache, value_cache, md.decode_block_tables, md.decode_seq_lens,
                 spec.scale, spec.sliding_window, spec.logits_soft_cap,
-                num_splits=md.decode_splits(spec.num_kv_heads),
             )
         plan = md.decode_plan(spec.sliding_window)
         keys = self._gather_keys(key_cache, plan)  # [Rd, Hkv, L, D]
@@ -433,7 +421,26 @@ class CPUAttentionBackend(AttentionBackend):
             decode_seq_lens=decode_seq_lens,
             decode_block_tables=decode_tables,
             prefills=prefills,
-            max_decode_seq_len=int(seq_lens[decode_reqs].max()) if len(decode_reqs) else 0,
+        )
+
+    def build_graph_metadata(self, batch: AttentionBatch) -> CPUAttentionMetadata:
+        """Decode-only metadata over the runner's persistent buffers, as they are: the C
+        kernels read the block tables, lengths and slots at their addresses, so every
+        replay of a captured forward attends with what the runner wrote for its step."""
+        if batch.num_reqs != batch.num_tokens:
+            raise ValueError("a captured forward takes one token per request")
+        for name in ("slot_mapping", "seq_lens", "block_tables"):
+            tensor = getattr(batch, name)
+            if tensor.dtype != torch.int64 or tensor.stride(-1) != 1:
+                raise ValueError(f"graph batches need int64 {name} with unit last stride")
+        return CPUAttentionMetadata(
+            num_tokens=batch.num_tokens,
+            block_size=self.block_size,
+            slot_mapping=batch.slot_mapping,
+            decode_rows=None,
+            decode_seq_lens=batch.seq_lens,
+            decode_block_tables=batch.block_tables,
+            prefills=[],
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

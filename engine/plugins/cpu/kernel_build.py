@@ -18,8 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("paged_decode_attention.c", "elementwise.c", "gemm_bf16.c")
-HEADERS = ("cpu_math.h",)
+SOURCES = ("paged_decode_attention.c", "elementwise.c", "gemm_bf16.c", "forward_graph.c")
+HEADERS = ("cpu_math.h", "kernels.h")
 CFLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=fast",
 )

@@ -3,9 +3,15 @@
 :func:`load_kernels` builds the library on first use (:mod:`.kernel_build`) and wraps
 it in :class:`CPUKernels`: the paged decode attention the CPU attention backend calls,
 and the platform's :class:`~engine.core.interfaces.FusedOps` (norm, activation, rotary,
-argmax). Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) it returns None
-and callers keep their torch-op paths. The wrappers check what the C code cannot
-(dtypes, layouts, strides) and raise ValueError rather than let it read out of bounds.
+embedding, argmax). Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) it
+returns None and callers keep their torch-op paths. The wrappers check what the C code
+cannot (dtypes, layouts, strides) and raise ValueError rather than let it read out of
+bounds; what depends on values (ids, positions, slots) the C code checks itself, so a
+replayed forward graph (:mod:`.graphs`) is checked too.
+
+Every entry point is a :class:`NativeOp`: while :func:`recording_calls` is active it
+appends its call to the recording instead of running it, which is how a forward graph
+is captured.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from engine.core.interfaces import FusedOps
+from engine.core.interfaces import FusedOps, GraphCaptureError
 from engine.plugins.cpu import kernel_build
 
 logger = logging.getLogger(__name__)
@@ -32,7 +41,6 @@ MAX_GROUP = 64
 MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
 MAX_SPLITS = 64  # key ranges per (request, KV head)
 GEMV_MAX_ROWS = 4  # rows of x gemv_bf16 takes (GEMV_ROWS_MAX in gemm_bf16.c)
-MIN_KEYS_PER_SPLIT = 256  # shorter ranges cost more to merge than they save
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOCK = threading.Lock()
 
@@ -62,12 +70,68 @@ class KeyLayout(Enum):
         return rows.unflatten(-1, (head_size // pack, block_size, pack)).transpose(-2, -3)
 
 
+class NativeCall(NamedTuple):
+    """One recorded kernel call: the entry point and its ctypes arguments."""
+
+    op: "NativeOp"
+    args: tuple
+
+
+_recording: list[NativeCall] | None = None  # set while a forward graph is captured
+
+
+@contextmanager
+def recording_calls() -> Iterator[list[NativeCall]]:
+    """Record (not run) every kernel call made inside the block, in order. Capture is
+    single-threaded: another thread's calls would be recorded too."""
+    global _recording
+    if _recording is not None:
+        raise GraphCaptureError("a forward graph is already being captured")
+    calls: list[NativeCall] = []
+    _recording = calls
+    try:
+        yield calls
+    finally:
+        _recording = None
+
+
+class NativeOp:
+    """A typed C entry point. ``graph_id`` is its id in forward_graph.c's replay table
+    (-1: not replayable); ``pointer_args`` / ``float_args`` say which arguments are
+    addresses and float32 values, for the graph's table."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, argtypes: list, graph_id: int) -> None:
+        fn.restype = _i32
+        fn.argtypes = argtypes
+        self._fn = fn
+        self.name: str = fn.__name__
+        self.graph_id = graph_id
+        self.pointer_args = tuple(i for i, t in enumerate(argtypes) if t is _ptr)
+        self.float_args = tuple(i for i, t in enumerate(argtypes) if t is _f32)
+
+    def __call__(self, *args) -> int:
+        if _recording is None:
+            return self._fn(*args)
+        if self.graph_id < 0:
+            raise GraphCaptureError(f"the C kernel {self.name} cannot be replayed in a graph")
+        _recording.append(NativeCall(self, args))
+        return 0  # not run: a replay runs it
+
+
 class CPUKernels(FusedOps):
     """Typed entry points of the compiled library (also the platform's FusedOps)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._decode = _bind(lib.paged_decode_attention, [
+        graph_id = _bind(lib.graph_kernel_id, [ctypes.c_char_p])
+
+        def _bind_op(fn: ctypes._CFuncPtr, argtypes: list) -> NativeOp:
+            return NativeOp(fn, argtypes, graph_id(fn.__name__.encode()))
+
+        self.graph_op_words = _bind(lib.graph_op_words, [])()
+        self.replay_graph = _bind(lib.replay_forward_graph, [_ptr, _i64, ctypes.POINTER(_i64)])
+        self._key_splits = _bind(lib.decode_key_splits, [_i32, _ptr, _i32, _i32])
+        self._decode = _bind_op(lib.paged_decode_attention, [
             _ptr, _i64, _i64,  # q, q_req_stride, q_head_stride
             _ptr, _ptr,  # k_cache, v_cache
             _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
@@ -75,23 +139,26 @@ class CPUKernels(FusedOps):
             _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
             _i32,  # num_splits
         ])
-        self._write_kv = _bind(lib.write_kv, [
+        self._write_kv = _bind_op(lib.write_kv, [
             _ptr, _i64, _i64, _ptr, _i64, _i64,  # key + strides, value + strides
             _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
             _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtype
         ])
-        self._rms_norm = _bind(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64,
-                                              _f32, _i32])
-        self._silu_and_mul = _bind(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
-        self._argmax = _bind(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
-        self._rotary_neox = _bind(lib.rotary_neox, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                                                    _i32])
-        self._pack_bf16 = _bind(lib.pack_bf16_vnni, [_ptr, _i64, _i64, _ptr])
-        self._gemm_bf16 = _bind(lib.gemm_bf16_vnni, [
+        self._rms_norm = _bind_op(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                                                 _i64, _f32, _i32])
+        self._silu_and_mul = _bind_op(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
+        self._argmax = _bind_op(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
+        self._rotary_neox = _bind_op(lib.rotary_neox, [
+            _ptr, _i64, _ptr, _ptr,  # x, x row stride, positions, cos|sin table
+            _i64, _i64, _i64, _i64, _i32,  # rows, heads, head size, table rows, dtype
+        ])
+        self._embedding = _bind_op(lib.embedding_rows, [_ptr, _i64, _ptr, _i64, _i64, _ptr])
+        self._pack_bf16 = _bind_op(lib.pack_bf16_vnni, [_ptr, _i64, _i64, _ptr])
+        self._gemm_bf16 = _bind_op(lib.gemm_bf16_vnni, [
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weight, bias (or NULL)
             _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
         ])
-        self._gemv_bf16 = _bind(lib.gemv_bf16_rows, [
+        self._gemv_bf16 = _bind_op(lib.gemv_bf16_rows, [
             _ptr, _i64, _ptr, _i64, _ptr,  # x, x row stride, weight, weight row stride, bias
             _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
         ])
@@ -150,11 +217,30 @@ class CPUKernels(FusedOps):
         cos_sin_cache: torch.Tensor,  # [max_positions, head_size]: cos half, sin half
         head_size: int,
     ) -> None:
-        """Rotate-half rotary embedding of every head of ``x``, in place."""
+        """Rotate-half rotary embedding of every head of ``x``, in place (a position
+        outside the table: ValueError, nothing rotated)."""
         rows, width = x.shape
-        _check(self._rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(),
-                                 cos_sin_cache.data_ptr(), rows, width // head_size, head_size,
-                                 DTYPE_CODES[x.dtype]), "rotary_neox")
+        status = self._rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(),
+                                   cos_sin_cache.data_ptr(), rows, width // head_size, head_size,
+                                   cos_sin_cache.shape[0], DTYPE_CODES[x.dtype])
+        if status == -2:
+            raise ValueError(f"a position is beyond the rotary table "
+                             f"({cos_sin_cache.shape[0]} positions)")
+        _check(status, "rotary_neox")
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``weight[ids]`` for int64 ``ids [T]`` (an id outside the table: ValueError)."""
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise ValueError("embedding ids must be a contiguous int64 vector")
+        if weight.dim() != 2 or not weight.is_contiguous():
+            raise ValueError("the embedding table must be a contiguous matrix")
+        vocab, hidden = weight.shape
+        out = torch.empty((ids.shape[0], hidden), dtype=weight.dtype)
+        status = self._embedding(ids.data_ptr(), ids.shape[0], weight.data_ptr(), vocab,
+                                 hidden * weight.element_size(), out.data_ptr())
+        if status != 0:
+            raise ValueError(f"a token id is outside the vocabulary of {vocab}")
+        return out
 
     def write_kv(
         self,
@@ -246,6 +332,17 @@ class CPUKernels(FusedOps):
                                out.data_ptr(), n, m, n, k), "gemv_bf16")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
+    def decode_key_splits(
+        self, seq_lens: torch.Tensor, num_kv_heads: int, window: int | None = None
+    ) -> int:
+        """The key ranges per (request, KV head) the decode kernel picks for int64
+        ``seq_lens`` at the current thread count: none while the tasks alone fill the
+        threads; otherwise about two work items per thread of at least 256 keys each."""
+        seq_lens = seq_lens.contiguous()
+        num_reqs = seq_lens.shape[0]
+        return self._key_splits(num_reqs * num_kv_heads, seq_lens.data_ptr(), num_reqs,
+                                window or 0)
+
     @staticmethod
     def supports_attention(spec) -> bool:
         """Whether :meth:`paged_decode_attention` runs a layer of ``spec``
@@ -273,8 +370,8 @@ class CPUKernels(FusedOps):
     ) -> torch.Tensor:
         """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype.
 
-        ``num_splits``: key ranges per (request, KV head), merged afterwards; None picks
-        enough to keep every thread busy when there are fewer tasks than threads."""
+        ``num_splits``: key ranges per (request, KV head), merged afterwards; None lets
+        the kernel pick (:meth:`decode_key_splits`), so a replayed graph picks per step."""
         num_reqs, num_heads, head_size = query.shape
         num_blocks, num_kv_heads, block_size, _ = value_cache.shape
         dtype = key_cache.dtype
@@ -291,9 +388,8 @@ class CPUKernels(FusedOps):
         if block_tables.stride(1) != 1 or not seq_lens.is_contiguous():
             raise ValueError("block table rows and sequence lengths must be contiguous")
         if num_splits is None:
-            longest = int(seq_lens.max()) if num_reqs else 0
-            num_splits = decode_key_splits(num_reqs * num_kv_heads, longest)
-        if not 1 <= num_splits <= MAX_SPLITS:
+            num_splits = 0  # the kernel's choice
+        elif not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         out = torch.empty((num_reqs, num_heads, head_size), dtype=dtype)
         status = self._decode(
@@ -309,17 +405,6 @@ class CPUKernels(FusedOps):
                 f"{head_size} (block size {block_size})"
             )
         return out
-
-
-def decode_key_splits(num_tasks: int, longest: int) -> int:
-    """Key splits per (request, KV head) task of the decode kernel, whose longest context
-    is ``longest``: none while the tasks alone fill the threads; otherwise about two work
-    items per thread, each of at least MIN_KEYS_PER_SPLIT keys."""
-    threads = torch.get_num_threads()
-    if num_tasks >= threads or not num_tasks:
-        return 1
-    wanted = -(-2 * threads // num_tasks)
-    return max(1, min(wanted, longest // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def _matrix_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         AttentionBackend,
         Communicator,
         DenseGemmKernel,
+        ForwardGraphCapturer,
         FusedOps,
     )
 
@@ -198,6 +199,18 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu.native import load_kernels
 
         return load_kernels()
+
+    def forward_graph_capturer(self) -> ForwardGraphCapturer | None:
+        """Graphs of C kernel calls (:mod:`engine.plugins.cpu.graphs`); None without the
+        C kernels."""
+        from engine.plugins.cpu.native import load_kernels
+
+        kernels = load_kernels()
+        if kernels is None:
+            return None
+        from engine.plugins.cpu.graphs import CPUGraphCapturer
+
+        return CPUGraphCapturer(kernels)
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import GlooCommunicator

@@ -87,11 +87,29 @@ def test_rotary_in_place_matches_the_torch_path(ops, dtype):
     torch.testing.assert_close(qkv[:, :64], expected[:, :64], atol=0, rtol=0)
 
 
-def test_rotary_refuses_positions_beyond_its_table(ops):
+@pytest.mark.parametrize("bad", [16, -1])
+def test_rotary_refuses_positions_outside_its_table(ops, bad):
+    """The kernel checks positions itself (a replayed graph has no Python to do it) and
+    rotates nothing when one is out of range."""
     scaling = RopeScaling(rope_type="default", theta=1e4, max_position_embeddings=16)
     rope = RotaryEmbedding(32, scaling, dtype=torch.float32, device="cpu", fused_ops=ops)
+    x = torch.randn(2, 64)
+    before = x.clone()
     with pytest.raises(ValueError, match="beyond the rotary table"):
-        rope.prepare(torch.tensor([3, 16]))
+        rope.apply(x, rope.prepare(torch.tensor([3, bad])))
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_lookup_matches_torch_and_refuses_unknown_ids(ops, dtype):
+    table = torch.randn(50, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ids = torch.tensor([0, 49, 7, 7])
+    assert torch.equal(ops.embedding(ids, table), F.embedding(ids, table))
+    for bad in (50, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary of 50"):
+            ops.embedding(torch.tensor([1, bad]), table)
+    with pytest.raises(ValueError, match="int64"):
+        ops.embedding(ids.int(), table)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

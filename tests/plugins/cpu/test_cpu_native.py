@@ -130,13 +130,23 @@ def test_key_splits_merge_to_the_same_softmax(kernels, num_splits, window, dtype
         torch.testing.assert_close(got[r].double(), probs @ vals, atol=atol, rtol=0)
 
 
-def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels, monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert native.decode_key_splits(8, 4096) == 1  # 8 tasks fill 8 threads
-    assert native.decode_key_splits(1, 4096) == 16  # 2 work items per thread
-    assert native.decode_key_splits(1, 600) == 2  # >= 256 keys per split
-    assert native.decode_key_splits(2, 100) == 1
-    assert native.decode_key_splits(0, 0) == 1
+def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels):
+    """The kernel picks its key splits per call (num_splits=None), so a replayed graph
+    re-picks them as contexts grow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        def splits(lens: list[int], kv_heads: int = 1, window: int | None = None) -> int:
+            return kernels.decode_key_splits(torch.tensor(lens), kv_heads, window)
+
+        assert splits([4096] * 4, kv_heads=2) == 1  # 8 tasks fill 8 threads
+        assert splits([4096]) == 16  # 2 work items per thread
+        assert splits([600, 20]) == 2  # >= 256 keys per split
+        assert splits([4096], window=600) == 2  # only the window's keys count
+        assert splits([100, 100]) == 1
+        assert splits([]) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "kernels.h"
 
 /* Below this many values a kernel runs on one thread (a decode step's few rows). Above
  * it the pool is still spinning from the GEMM that just ran, so a parallel region costs
@@ -146,10 +147,14 @@ int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64
 #undef ROW
 }
 
+/* Positions outside [0, max_positions) (the table's rows) refuse the call: -2. */
 int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin,
-                int64_t rows, int64_t heads, int64_t head_size, int dtype)
+                int64_t rows, int64_t heads, int64_t head_size, int64_t max_positions,
+                int dtype)
 {
     if (head_size % 2 != 0) return -1;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -2;
     const int64_t cols = heads * head_size;
 #define ROW(D) rotary_row(x, x_stride, positions, cos_sin, t, heads, head_size, D)
     DISPATCH(ROW)
@@ -183,5 +188,21 @@ int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, in
         }
         out[t] = index;
     }
+    return 0;
+}
+
+/*
+ * out[t] = table[ids[t]] for rows of row_bytes (the embedding lookup, any dtype). An id
+ * outside [0, vocab) refuses the call (-2) before anything is copied.
+ */
+int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
+                   int64_t row_bytes, void *out)
+{
+    for (int64_t t = 0; t < num_ids; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return -2;
+#pragma omp parallel for if (num_ids * row_bytes >= (1 << 20))
+    for (int64_t t = 0; t < num_ids; t++)
+        memcpy((char *)out + t * row_bytes, (const char *)table + ids[t] * row_bytes,
+               (size_t)row_bytes);
     return 0;
 }

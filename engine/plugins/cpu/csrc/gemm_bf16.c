@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "kernels.h"
 
 #define PANEL 64      /* output columns per packed panel */
 #define ROWS_MAX 6    /* rows of x per register block */

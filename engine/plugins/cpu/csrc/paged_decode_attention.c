@@ -24,11 +24,13 @@
  * libgomp (same soname, already loaded) runs the parallel loop.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_math.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -46,6 +48,7 @@
 #define MAX_HEAD_SIZE 512
 #define MAX_GROUP 64
 #define MAX_SPLITS 64 /* key ranges per task (flash-decoding) */
+#define MIN_KEYS_PER_SPLIT 256 /* shorter ranges cost more to merge than they save */
 #define MAX_GROUP_ELEMS 8192 /* padded group * head_size: per-thread scratch */
 
 /* 16-lane vectors (GCC/Clang vector extensions: portable, split into whatever width the
@@ -473,9 +476,30 @@ DEFINE_DECODE(decode_f16, DTYPE_F16)
  *
  * q: [num_reqs, num_heads, head_size] with strides (q_req_stride, q_head_stride, 1);
  * out: contiguous [num_reqs, num_heads, head_size]; block_tables: int64 rows of
- * bt_stride entries; soft_cap > 0 applies cap * tanh(score / cap). Returns 0, or -1
+ * bt_stride entries; soft_cap > 0 applies cap * tanh(score / cap); num_splits key
+ * ranges per task, 0 to let decode_key_splits choose. Returns 0, or -1
  * when a size or the dtype is out of range (nothing is written then).
  */
+/*
+ * Key ranges per (request, KV head) task when the caller passes num_splits = 0: none
+ * while the tasks alone fill the threads; otherwise about two work items per thread,
+ * each of at least MIN_KEYS_PER_SPLIT keys of the longest (windowed) context.
+ */
+int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window)
+{
+    const int threads = omp_get_max_threads();
+    if (num_tasks >= threads || num_tasks <= 0) return 1;
+    int64_t longest = 0;
+    for (int r = 0; r < num_reqs; r++) {
+        const int64_t keys = window > 0 && seq_lens[r] > window ? window : seq_lens[r];
+        longest = keys > longest ? keys : longest;
+    }
+    int64_t splits = (2 * threads + num_tasks - 1) / num_tasks;
+    if (splits > longest / MIN_KEYS_PER_SPLIT) splits = longest / MIN_KEYS_PER_SPLIT;
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    return splits < 1 ? 1 : (int)splits;
+}
+
 int paged_decode_attention(
     const void *q, int64_t q_req_stride, int64_t q_head_stride,
     const void *k_cache, const void *v_cache,
@@ -489,6 +513,8 @@ int paged_decode_attention(
         return -1;
     const int group = num_heads / num_kv_heads;
     if ((group + HEADS - 1) / HEADS * HEADS * head_size > MAX_GROUP_ELEMS) return -1;
+    if (num_splits == 0)
+        num_splits = decode_key_splits(num_reqs * num_kv_heads, seq_lens, num_reqs, window);
     if (num_splits < 1 || num_splits > MAX_SPLITS) return -1;
     switch (dtype) {
     case DTYPE_F32:

@@ -1,0 +1,143 @@
+"""Decode steps through forward graphs: one captured forward per batch size, replayed.
+
+A decode-only step (one new token per request) of a given batch size makes the same
+kernel calls every time; only the values in its inputs change. When the platform offers
+a :class:`~engine.core.interfaces.ForwardGraphCapturer`, the runner keeps persistent
+input buffers (token ids, positions, cache slots, sequence lengths, block tables), the
+first decode step of each batch size captures the model's forward over slices of them,
+and every later one refills the buffers and replays the graph: no module calls, no
+views, no per-kernel argument conversion.
+
+Each batch size gets its own graph, unpadded, so no step computes rows it does not need
+(on CPUs arithmetic grows with every row). A forward the platform cannot record (a torch
+op where it has no kernel, e.g. a layer without a fused kernel) raises
+GraphCaptureError once per batch size; that size then runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.core.interfaces import (
+    AttentionBackend,
+    AttentionBatch,
+    ForwardGraph,
+    ForwardGraphCapturer,
+    GraphCaptureError,
+)
+from engine.model_executor.forward_context import ForwardContext, set_forward_context
+from engine.model_executor.input_batch import StepIndices
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """Persistent decode inputs and the graphs captured over them, by batch size."""
+
+    def __init__(
+        self,
+        capturer: ForwardGraphCapturer,
+        model: torch.nn.Module,
+        attn_backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.capturer = capturer
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches
+        self.max_batch_size = max_batch_size
+        self._host = device.type == "cpu"
+        n = max_batch_size
+        i64 = {"dtype": torch.int64, "device": device}
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.seq_lens = torch.ones(n, **i64)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i64)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, ForwardGraph] = {}
+        self._eager_sizes: set[int] = set()
+
+    def covers(self, step: StepIndices) -> bool:
+        """Whether ``step`` is a decode-only step of a batch size that can be replayed."""
+        n = len(step.input_ids)
+        return (
+            n == len(step.rows)
+            and 0 < n <= self.max_batch_size
+            and n not in self._eager_sizes
+        )
+
+    def forward(self, step: StepIndices) -> torch.Tensor | None:
+        """The model's hidden states for a decode-only ``step`` (a view the next replay
+        overwrites), or None when its batch size runs eagerly."""
+        n = len(step.input_ids)
+        self._fill(step)
+        graph = self._graphs.get(n)
+        if graph is None:
+            graph = self._capture(n, step.max_seq_len)
+            if graph is None:
+                return None
+        return graph.replay()
+
+    def _fill(self, step: StepIndices) -> None:
+        """Write the step's inputs into the persistent buffers' first rows."""
+        n = len(step.input_ids)
+        width = step.block_tables.shape[1]
+        for buffer, array in (
+            (self.input_ids, step.input_ids),
+            (self.positions, step.positions),
+            (self.slot_mapping, step.slot_mapping),
+            (self.seq_lens, step.seq_lens),
+        ):
+            self._copy(buffer[:n], array)
+        self._copy(self.block_tables[:n, :width], step.block_tables)
+
+    def _copy(self, buffer: torch.Tensor, array: np.ndarray) -> None:
+        if self._host:
+            buffer.numpy()[...] = array  # casts into the int64 buffer in place
+        else:
+            buffer.copy_(torch.from_numpy(np.asarray(array, dtype=np.int64)), non_blocking=True)
+
+    def _capture(self, n: int, max_seq_len: int) -> ForwardGraph | None:
+        batch = AttentionBatch(
+            num_reqs=n,
+            num_tokens=n,
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],
+            slot_mapping=self.slot_mapping[:n],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        metadata = self.attn_backend.build_graph_metadata(batch)
+        if metadata is None:
+            self._run_eagerly(n, f"attention backend {self.attn_backend.name} has no graph mode")
+            return None
+        ids, positions = self.input_ids[:n], self.positions[:n]
+        context = ForwardContext(metadata, self.kv_caches)
+        model = self.model
+
+        def forward() -> torch.Tensor:
+            with set_forward_context(context):
+                return model(ids, positions)
+
+        try:
+            graph = self.capturer.capture(forward)
+        except GraphCaptureError as exc:
+            self._run_eagerly(n, str(exc))
+            return None
+        self._graphs[n] = graph
+        logger.debug("captured the decode forward at batch size %d", n)
+        return graph
+
+    def _run_eagerly(self, n: int, reason: str) -> None:
+        if not self._eager_sizes:
+            logger.info("decode steps run eagerly (no forward graph): %s", reason)
+        self._eager_sizes.add(n)

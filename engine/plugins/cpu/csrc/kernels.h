@@ -1,0 +1,39 @@
+/*
+ * The CPU plugin's C entry points, as native.py binds them and forward_graph.c replays
+ * them. Every kernel returns 0, or a nonzero status when it refused its arguments
+ * (nothing is written then, unless a kernel says otherwise).
+ */
+#ifndef ENGINE_CPU_KERNELS_H
+#define ENGINE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+int paged_decode_attention(
+    const void *q, int64_t q_req_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+    void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits);
+/* The key ranges per (request, KV head) task paged_decode_attention picks for num_splits 0. */
+int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window);
+int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
+             const void *value, int64_t v_tok_stride, int64_t v_head_stride,
+             const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
+             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype);
+int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
+             const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype);
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
+                 int dtype);
+int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin,
+                int64_t rows, int64_t heads, int64_t head_size, int64_t max_positions,
+                int dtype);
+int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
+                   int64_t row_bytes, void *out);
+int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
+                   int64_t k);
+int gemv_bf16_rows(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
+                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
+                   int64_t k);
+
+#endif
