@@ -8,6 +8,10 @@ profiling code. Stages::
 
     schedule       Scheduler.schedule
     prepare        runner: apply the scheduler's diffs, build step tensors + attention metadata
+                   (or fill a forward graph's input buffers)
+    graph          a decode forward replayed from its forward graph (model_executor.
+                   decode_graphs): the whole forward, so attention / linear / other stay 0
+                   for such steps; ``--enforce-eager`` splits them again
     attention      Attention layers (KV write + paged attention)
     linear         linear layers (GEMMs) of the decoder
     other          the rest of the forward (embedding, norms, rotary, activations, residuals)
@@ -33,7 +37,8 @@ from typing import Any
 from engine.benchmarks.workload import Workload
 
 STAGES = (
-    "schedule", "prepare", "attention", "linear", "other", "logits", "sample", "update", "output",
+    "schedule", "prepare", "graph", "attention", "linear", "other", "logits", "sample", "update",
+    "output",
 )
 OVERHEAD_STAGES = ("schedule", "prepare", "sample")  # what the <10% target is about
 
@@ -127,9 +132,13 @@ def _instrument(engine, clock: _Clock) -> Iterator[None]:
         (engine.output_processor, "process_outputs", "output"),
         (runner, "_update_states", "prepare"),
         (runner, "_prepare_inputs", "prepare"),
+        (runner, "_eager_inputs", "prepare"),
         (runner, "_forward", "other"),
         (runner, "_sample", "sample"),
     ]
+    if runner.decode_graphs is not None:
+        methods.append((runner.decode_graphs, "forward", "graph"))
+        methods.append((runner.decode_graphs, "_fill", "prepare"))
     with ExitStack() as stack:
         for obj, name, stage in methods:
             stack.enter_context(_patched(obj, name, clock.wrap(stage, getattr(obj, name))))

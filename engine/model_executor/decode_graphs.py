@@ -65,6 +65,11 @@ class DecodeGraphs:
         self._graphs: dict[int, ForwardGraph] = {}
         self._eager_sizes: set[int] = set()
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The batch sizes whose forward has a graph."""
+        return sorted(self._graphs)
+
     def covers(self, step: StepIndices) -> bool:
         """Whether ``step`` is a decode-only step of a batch size that can be replayed."""
         n = len(step.input_ids)

@@ -107,7 +107,6 @@ class InputBatch:
         num_scheduled = num_scheduled.astype(np.int32)
         if bool((num_scheduled == 1).all()):  # one token per request: a decode step
             return self._decode_step(rows, num_scheduled)
-        bs = self.block_size
         cu = np.cumsum(num_scheduled, dtype=np.int64)
         total = int(cu[-1])
         starts = cu - num_scheduled

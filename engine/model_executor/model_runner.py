@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -197,6 +198,12 @@ class ModelRunner:
             hidden = graphs.forward(step)
             if hidden is not None:
                 return hidden
+        metadata, input_ids, positions = self._eager_inputs(step)
+        with set_forward_context(ForwardContext(metadata, self.kv_caches)):
+            return self.model(input_ids, positions)
+
+    def _eager_inputs(self, step: StepIndices) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The attention metadata, token ids and positions of a step run eagerly."""
         upload = self._upload
         batch = AttentionBatch(
             num_reqs=len(step.rows),
@@ -211,8 +218,7 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens,
         )
         metadata = self.attn_backend.build_metadata(batch)
-        with set_forward_context(ForwardContext(metadata, self.kv_caches)):
-            return self.model(upload(step.input_ids), upload(step.positions))
+        return metadata, upload(step.input_ids), upload(step.positions)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the device (shared memory when that is the host)."""
