@@ -57,6 +57,13 @@ class _TorchOpGuard(TorchDispatchMode):
         super().__init__()
         self.allocations: list[torch.Tensor] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it unless
+        # the mode opts out; the wrapper imports torch._dynamo on first use (~0.5 s on
+        # the first decode step). Nothing compiles inside a capture.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ALLOCATORS:

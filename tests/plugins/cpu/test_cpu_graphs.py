@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -203,3 +205,18 @@ def test_a_chain_reuses_the_bytes_of_dead_buffers():
     calls.append(native.NativeCall(_fake_op((0, 1)), (bufs[3].data_ptr(), external.data_ptr())))
     plan = plan_graph(calls, bufs, bufs[3], words=3)
     assert plan.table[3, 2] == external.data_ptr() and not plan.relative[3, 2]
+
+
+def test_capturing_does_not_import_torch_compile(kernels):
+    """torch wraps dispatch modes to keep dynamo out, importing it on first use (~0.5 s,
+    on the first decode step); the guard opts out, since nothing compiles in a capture."""
+    code = (
+        "import sys, torch\n"
+        "from engine.plugins.cpu.graphs import CPUGraphCapturer\n"
+        "from engine.plugins.cpu.native import load_kernels\n"
+        "k = load_kernels()\n"
+        "x, w = torch.ones(2, 16), torch.ones(16)\n"
+        "CPUGraphCapturer(k).capture(lambda: k.rms_norm(x, w, 1e-6)).replay()\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
