@@ -31,6 +31,7 @@ class Executor:
         self.config = config
         self.platform = platform
         platform.check_and_update_config(config)
+        platform.init_worker()
         platform.set_num_threads(config.device.num_threads)
         platform.seed_everything(config.model.seed)
 

@@ -155,6 +155,10 @@ class Platform(ABC):
     def check_and_update_config(self, config: Any) -> None:
         """Adjust or reject an engine config for this platform (raise ValueError)."""
 
+    def init_worker(self) -> None:
+        """Process-wide setup of a process about to run models (allocator settings,
+        device selection); called once by the executor before the model loads."""
+
     def set_num_threads(self, num_threads: int | None) -> None:
         """Intra-op parallelism for host-side compute (meaningful on CPU)."""
 

@@ -157,6 +157,12 @@ class CPUPlatform(Platform):
             )
         return kv_bytes
 
+    def init_worker(self) -> None:
+        """Keep a forward's large freed activations in the heap (see host_memory)."""
+        from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
+
+        keep_freed_blocks_in_heap()
+
     def set_num_threads(self, num_threads: int | None) -> None:
         """``num_threads`` intra-op threads; None: one per physical core this process may
         run on.
