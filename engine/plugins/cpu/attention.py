@@ -1,5 +1,5 @@
-"""Paged attention on the CPU: the plugin's C kernel for decodes, torch ops (SDPA and
-index_select gathers) for prefill chunks and wherever the C kernel is unavailable.
+"""Paged attention on the CPU: the plugin's C kernel for every query token, torch ops
+(SDPA and index_select gathers) wherever the C kernel is unavailable.
 
 Cache layout (one tensor per layer)::
 
@@ -22,15 +22,19 @@ Per layer, :meth:`CPUAttentionImpl.forward`:
    where the kernels run, else indexed stores; rows whose slot is -1 are skipped) --
    before any attention, so a request may read blocks that another request of the same
    batch filled this step (prefix caching relies on it);
-2. attends for all single-token requests ("decodes") at once, through the C kernel of
-   :mod:`engine.plugins.cpu.native` when it could be built and serves the layer (it
-   reads the blocks in place); otherwise with torch ops: their blocks are gathered
-   into a padded ``[R, kv_heads, keys, D]`` tensor and one masked SDPA runs with the
-   queries grouped as ``[R, kv_heads, group, D]`` (GQA without repeating K/V);
-3. attends for each multi-token request (a prefill chunk, possibly after cached
+2. with the C kernel of :mod:`engine.plugins.cpu.native` (when it could be built and
+   serves the layer): attends for every token of the step in one call, each token a
+   query of its own over its causal prefix (a decode's whole context, a prefill
+   token's keys up to its position), reading the blocks in place. For a prefill this
+   skips the gathers and per-request SDPA calls (64 x 128-token prompts: ~2x faster
+   attention) and matches SDPA at 2K-token prompts, where SDPA's tiling would win most;
+3. otherwise with torch ops: all single-token requests ("decodes") at once, their
+   blocks gathered into a padded ``[R, kv_heads, keys, D]`` tensor and one masked SDPA
+   with the queries grouped as ``[R, kv_heads, group, D]`` (GQA without repeating
+   K/V); then each multi-token request (a prefill chunk, possibly after cached
    context) separately, queries as ``[kv_heads, group, q_len, D]`` against K/V
-   expanded (not copied) to ``[kv_heads, group, keys, D]``, with a causal mask offset by
-   the context length (SDPA's own ``is_causal`` when there is no context or window).
+   expanded (not copied) to ``[kv_heads, group, keys, D]``, with a causal mask offset
+   by the context length (SDPA's own ``is_causal`` when there is no context or window).
 
 Everything that depends only on the batch (block indices, masks per sliding-window
 size) is computed once per step in :class:`CPUAttentionMetadata` and shared by all
@@ -113,6 +117,15 @@ class _WriteIndex:
 
 
 @dataclass
+class _TokenQueries:
+    """Every token of a step as a query of its own, for the C kernel: token ``t`` at
+    position ``p`` attends to keys ``0 ..= p`` of its request (its causal prefix)."""
+
+    seq_lens: torch.Tensor  # int64 [T]: p + 1
+    block_tables: torch.Tensor  # int64 [T, M]: the token's request's row
+
+
+@dataclass
 class CPUAttentionMetadata:
     """Step-level index tensors, shared by every layer of the step."""
 
@@ -123,6 +136,11 @@ class CPUAttentionMetadata:
     decode_seq_lens: torch.Tensor  # int64 [Rd]
     decode_block_tables: torch.Tensor  # int64 [Rd, M]
     prefills: list[_Prefill]
+    # What token_queries() derives its tensors from (steps with prefill chunks only).
+    query_lens: np.ndarray | None = None  # [R]
+    seq_lens: np.ndarray | None = None  # int64 [R]
+    block_tables: torch.Tensor | None = None  # int64 [R, M]
+    _token_queries: _TokenQueries | None = None
     _write_index: _WriteIndex | None = None
     _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
     _prefill_plans: dict[int | None, list[_KeyPlan]] = field(default_factory=dict)
@@ -139,6 +157,20 @@ class CPUAttentionMetadata:
             block = torch.div(slots, bs, rounding_mode="floor")
             self._write_index = _WriteIndex(block, slots - block * bs, rows)
         return self._write_index
+
+    def token_queries(self) -> _TokenQueries:
+        """Per-token lengths and block tables of a step with prefill chunks (built once)."""
+        if self._token_queries is None:
+            query_lens = self.query_lens
+            token_req = np.repeat(np.arange(len(query_lens)), query_lens)
+            ends = np.cumsum(query_lens)
+            # token t of its request's chunk ending at ends[r]: position seq_len - (end - t)
+            seq_lens = self.seq_lens[token_req] - (ends[token_req] - 1 - np.arange(len(token_req)))
+            self._token_queries = _TokenQueries(
+                seq_lens=torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int64)),
+                block_tables=self.block_tables.index_select(0, torch.from_numpy(token_req)),
+            )
+        return self._token_queries
 
     @property
     def num_decodes(self) -> int:
@@ -233,7 +265,20 @@ class CPUAttentionImpl(AttentionImpl):
         key_cache, value_cache = self._cache_views(kv_cache, metadata.block_size)
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
-        if metadata.decode_rows is None and num_decodes == query.shape[0]:
+        decode_only = metadata.decode_rows is None and num_decodes == query.shape[0]
+        if self.kernels is not None and query.dtype == key_cache.dtype:
+            # One C call for the whole step: every token attends to its causal prefix.
+            if decode_only:
+                seq_lens, tables = metadata.decode_seq_lens, metadata.decode_block_tables
+            else:
+                tokens = metadata.token_queries()
+                seq_lens, tables = tokens.seq_lens, tokens.block_tables
+            spec = self.spec
+            return self.kernels.paged_decode_attention(
+                query, key_cache, value_cache, tables, seq_lens,
+                spec.scale, spec.sliding_window, spec.logits_soft_cap,
+            )
+        if decode_only:
             return self._decode(query, key_cache, value_cache, metadata)
         out = torch.empty_like(query)
         if num_decodes:
@@ -306,11 +351,6 @@ class CPUAttentionImpl(AttentionImpl):
         md: CPUAttentionMetadata,
     ) -> torch.Tensor:
         spec = self.spec
-        if self.kernels is not None and query.dtype == key_cache.dtype:
-            return self.kernels.paged_decode_attention(
-                query, key_cache, value_cache, md.decode_block_tables, md.decode_seq_lens,
-                spec.scale, spec.sliding_window, spec.logits_soft_cap,
-            )
         plan = md.decode_plan(spec.sliding_window)
         keys = self._gather_keys(key_cache, plan)  # [Rd, Hkv, L, D]
         values = self._gather_values(value_cache, plan)
@@ -421,6 +461,9 @@ class CPUAttentionBackend(AttentionBackend):
             decode_seq_lens=decode_seq_lens,
             decode_block_tables=decode_tables,
             prefills=prefills,
+            query_lens=None if decode_rows is None else query_lens,
+            seq_lens=None if decode_rows is None else seq_lens,
+            block_tables=None if decode_rows is None else block_tables,
         )
 
     def build_graph_metadata(self, batch: AttentionBatch) -> CPUAttentionMetadata:

@@ -165,8 +165,9 @@ def reference(
 
 @pytest.fixture(autouse=True, params=["c_kernel", "torch_ops"])
 def decode_path(request, monkeypatch) -> str:
-    """Every test runs twice: decodes through the C kernel (where it serves the layer)
-    and through the torch-op path the plugin falls back to without a compiler."""
+    """Every test runs twice: through the C kernel (where it serves the layer: every
+    token, decodes and prefill chunks) and through the torch-op path the plugin falls
+    back to without a compiler."""
     if request.param == "torch_ops":
         monkeypatch.setattr(cpu_attention, "load_kernels", lambda: None)
     elif load_kernels() is None:

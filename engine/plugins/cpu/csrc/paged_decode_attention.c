@@ -425,7 +425,10 @@ static inline __attribute__((always_inline)) void merge_and_store(
         const int64_t row_len = (int64_t)block_size * head_size;                             \
         const int num_tasks = num_reqs * num_kv_heads;                                       \
         const int64_t part_stride = (int64_t)group * (head_size + 2);                        \
-        float *parts = malloc(sizeof(float) * part_stride * num_tasks * num_splits);         \
+        /* unsplit tasks are normalized at once: one scratch part per thread suffices */    \
+        const int64_t num_parts =                                                            \
+            num_splits > 1 ? (int64_t)num_tasks * num_splits : omp_get_max_threads();        \
+        float *parts = malloc(sizeof(float) * part_stride * num_parts);                      \
         if (parts == NULL) return -1;                                                        \
         _Pragma("omp parallel for schedule(static)")                                         \
         for (int item = 0; item < num_tasks * num_splits; item++) {                          \
@@ -436,7 +439,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
             const int64_t span = (seq_len - first + num_splits - 1) / num_splits;            \
             const int64_t lo = first + split * span;                                         \
             const int64_t hi = lo + span < seq_len ? lo + span : seq_len;                    \
-            float *part = parts + (int64_t)item * part_stride;                               \
+            float *part = parts + (num_splits > 1 ? item : omp_get_thread_num()) * part_stride; \
             if (lo >= hi) { /* an empty range: contributes nothing to the merge */           \
                 for (int g = 0; g < group; g++) part[g] = -INFINITY, part[group + g] = 0.0f; \
                 memset(part + 2 * group, 0, sizeof(float) * group * head_size);              \
