@@ -96,8 +96,12 @@ static inline __attribute__((always_inline)) void register_block(
     int streamed)
 {
     __m512 acc[ROWS_MAX][4];
+    /* unrolled, so the accumulators start in registers: as loops, GCC turned the zero
+     * start of a bias-free block into a memset of a stack copy (1.5-3% of a step) */
+#pragma GCC unroll 4
     for (int j = 0; j < J; j++) {
         const __m512 b = bias_lanes(bias, col + 16 * j);
+#pragma GCC unroll 6
         for (int r = 0; r < R; r++)
             acc[r][j] = b;
     }
