@@ -4,7 +4,10 @@ For each ``[out, in]`` weight shape and row count M it times every kernel that a
 the shape (the plugin's AVX512-BF16 GEMM, oneDNN on a prepacked weight, the plain-layout
 GEMV for tied LM heads) and plain ``F.linear``, on weights that stay in cache (``--cold`` cycles through enough copies to
 stream them from memory, as a batch-1 decode step does), and prints microseconds,
-GFLOP/s and each kernel's speedup over ``F.linear``.
+GFLOP/s and each kernel's speedup over ``F.linear``. The process keeps large freed
+blocks in its heap as engine workers do (cpu.host_memory): otherwise every call's
+output at prefill sizes (50 MB at M = 8192) pays fresh page faults, which made both
+kernels look 20% slower there.
 
     python ci/bench_gemm.py                       # llama-tiny's shapes, bf16
     python ci/bench_gemm.py --shapes 5632x1024,1024x2816 --rows 1,8,64 --cold
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.core.interfaces import DenseLayerSpec
 from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
+from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
 
 TINY_SHAPES = "768x512,512x512,3072x512,512x1536,16000x512"
 COLD_BYTES = 256 << 20  # enough copies of a weight to overflow any L3
@@ -54,6 +58,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cold", action="store_true", help="stream weights from memory")
     args = parser.parse_args()
+    keep_freed_blocks_in_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
