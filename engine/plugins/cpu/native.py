@@ -77,22 +77,27 @@ class NativeCall(NamedTuple):
     args: tuple
 
 
-_recording: list[NativeCall] | None = None  # set while a forward graph is captured
+class _Recording(threading.local):
+    """The calls being recorded by this thread (None: kernels run). Per thread, so an
+    engine capturing a graph never records another engine's kernels."""
+
+    calls: list[NativeCall] | None = None
+
+
+_recording = _Recording()
 
 
 @contextmanager
 def recording_calls() -> Iterator[list[NativeCall]]:
-    """Record (not run) every kernel call made inside the block, in order. Capture is
-    single-threaded: another thread's calls would be recorded too."""
-    global _recording
-    if _recording is not None:
+    """Record (not run) every kernel call this thread makes inside the block, in order."""
+    if _recording.calls is not None:
         raise GraphCaptureError("a forward graph is already being captured")
     calls: list[NativeCall] = []
-    _recording = calls
+    _recording.calls = calls
     try:
         yield calls
     finally:
-        _recording = None
+        _recording.calls = None
 
 
 class NativeOp:
@@ -110,11 +115,12 @@ class NativeOp:
         self.float_args = tuple(i for i, t in enumerate(argtypes) if t is _f32)
 
     def __call__(self, *args) -> int:
-        if _recording is None:
+        calls = _recording.calls
+        if calls is None:
             return self._fn(*args)
         if self.graph_id < 0:
             raise GraphCaptureError(f"the C kernel {self.name} cannot be replayed in a graph")
-        _recording.append(NativeCall(self, args))
+        calls.append(NativeCall(self, args))
         return 0  # not run: a replay runs it
 
 

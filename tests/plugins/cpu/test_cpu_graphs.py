@@ -220,3 +220,21 @@ def test_capturing_does_not_import_torch_compile(kernels):
         "assert 'torch._dynamo' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_capture_records_only_its_own_thread(kernels, capturer):
+    """Another thread's kernels run (not recorded) while this thread captures."""
+    import threading
+
+    x, w = torch.randn(2, 16), torch.ones(16)
+    other_result = []
+
+    def forward():
+        thread = threading.Thread(target=lambda: other_result.append(kernels.rms_norm(x, w, 1e-6)))
+        thread.start()
+        thread.join()
+        return kernels.rms_norm(x, w, 1e-6)
+
+    graph = capturer.capture(forward)
+    assert graph.num_calls == 1
+    assert torch.equal(other_result[0], graph.replay())  # the other thread really computed
