@@ -40,12 +40,21 @@ def prompts():
     return [[rng.randrange(5, 250) for _ in range(n)] for n in (1, 9, 16, 30, 47)]
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied", "qwen2", "mistral-sw"])
+@pytest.mark.parametrize(
+    "variant,overrides",
+    [
+        ("llama-gqa", {}),
+        ("llama-mqa-tied", {}),
+        ("qwen2", {}),
+        ("mistral-sw", {}),
+        ("qwen3", {"head_dim": 32}),  # per-head q/k norms (head size 24 has no C attention)
+    ],
+)
 def test_graph_replays_equal_eager_steps_as_the_batch_shrinks(model_dir_factory, prompts,
-                                                              variant):
+                                                              variant, overrides):
     if native.load_kernels() is None or not native.load_kernels().has_bf16_gemm:
         pytest.skip("bf16 forwards are captured where the C GEMM runs")
-    path = model_dir_factory(variant)
+    path = model_dir_factory(variant, **overrides)
     max_tokens = [3, 9, 5, 14, 1]  # requests finish at different steps: sizes 4, 3, 2, 1
     graphs = cpu_llm(path, dtype="bfloat16")
     eager = cpu_llm(path, dtype="bfloat16", enforce_eager=True)

@@ -37,7 +37,9 @@ class FusedOps(ABC):
         residual: "torch.Tensor | None" = None,
     ) -> "torch.Tensor":
         """``weight * x / rms(x)``; with ``residual``: the same of ``x + residual``, and
-        the sum written back into ``residual`` (in place)."""
+        the sum written back into ``residual`` (in place). Without a residual ``x`` may
+        also be ``[tokens, heads, head_size]`` with contiguous heads (per-head q/k norms
+        on a fused projection's slice); the result is ``[tokens * heads, head_size]``."""
 
     @abstractmethod
     def silu_and_mul(self, x: "torch.Tensor") -> "torch.Tensor":

@@ -48,7 +48,8 @@ class RMSNorm(nn.Module):
         fused = self.fused_ops
         if fused is not None and x.stride(-1) == 1:
             if residual is None:
-                flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+                heads_contiguous = x.dim() == 3 and x.stride(1) == x.shape[-1]
+                flat = x if x.dim() == 2 or heads_contiguous else x.reshape(-1, x.shape[-1])
                 return fused.rms_norm(flat, self.weight, self.eps).view(x.shape)
             if x.dim() == 2 and residual.stride(-1) == 1:
                 return fused.rms_norm(x, self.weight, self.eps, residual), residual

@@ -71,10 +71,21 @@ class _TorchOpGuard(TorchDispatchMode):
             self.allocations.append(out)
             return out
         if func.is_view or func in _NO_COPY:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if not _aliases(out, args[0]):  # e.g. a reshape that had to copy
+                raise GraphCaptureError(f"the torch op {func} copied its input (a graph "
+                                        "replays only C kernels)")
+            return out
         raise GraphCaptureError(
             f"the forward runs the torch op {func} (a graph replays only C kernels)"
         )
+
+
+def _aliases(out, source: torch.Tensor) -> bool:
+    """Whether every tensor of a view op's result shares ``source``'s memory."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    base = source.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() == base for t in outs)
 
 
 @dataclass

@@ -150,8 +150,10 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
             _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtype
         ])
-        self._rms_norm = _bind_op(lib.rms_norm, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                                 _i64, _f32, _i32])
+        self._rms_norm = _bind_op(lib.rms_norm, [
+            _ptr, _i64, _i64, _ptr, _i64,  # x, token stride, heads, residual, its stride
+            _ptr, _ptr, _i64, _i64, _f32, _i32,  # weight, out, rows, hidden, eps, dtype
+        ])
         self._silu_and_mul = _bind_op(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
         self._argmax = _bind_op(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
         self._rotary_neox = _bind_op(lib.rotary_neox, [
@@ -183,19 +185,27 @@ class CPUKernels(FusedOps):
 
     def rms_norm(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden], or [T, heads, hidden] with contiguous heads
         weight: torch.Tensor,  # [hidden], x's dtype
         eps: float,
         residual: torch.Tensor | None = None,  # [T, hidden], updated in place to x + residual
     ) -> torch.Tensor:
         """``weight * norm(x)`` or, with ``residual``, ``weight * norm(x + residual)``
-        (the sum written back into ``residual``), rounded as HF's op chain rounds."""
-        rows, hidden = x.shape
-        out = torch.empty((rows, hidden), dtype=x.dtype)
+        (the sum written back into ``residual``), rounded as HF's op chain rounds; the
+        result is contiguous ``[rows, hidden]`` (``T * heads`` rows for a 3-D x: per-head
+        norms of a fused projection's slice, without copying it first)."""
+        if x.dim() == 3:
+            tokens, heads, hidden = x.shape
+            if residual is not None or (heads > 1 and x.stride(1) != hidden):
+                raise ValueError("3-D rms_norm takes contiguous heads and no residual")
+        else:
+            (tokens, hidden), heads = x.shape, 1
+        out = torch.empty((tokens * heads, hidden), dtype=x.dtype)
         res_ptr, res_stride = (0, 0) if residual is None else (
             residual.data_ptr(), residual.stride(0))
-        _check(self._rms_norm(x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(),
-                              out.data_ptr(), rows, hidden, eps, DTYPE_CODES[x.dtype]), "rms_norm")
+        _check(self._rms_norm(x.data_ptr(), x.stride(0), heads, res_ptr, res_stride,
+                              weight.data_ptr(), out.data_ptr(), tokens * heads, hidden, eps,
+                              DTYPE_CODES[x.dtype]), "rms_norm")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

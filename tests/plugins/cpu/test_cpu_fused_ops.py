@@ -58,6 +58,20 @@ def test_rms_norm_with_and_without_residual(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_per_head_rms_norm_reads_a_slice_of_a_fused_projection(ops, dtype, tokens):
+    """Qwen3's q/k norms: [tokens, heads, D] straight from the qkv output (no copy)."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, 7 * 32, generator=gen) * 3).to(dtype)
+    k = qkv[:, 4 * 32 : 6 * 32].view(tokens, 2, 32)  # token stride 224, heads contiguous
+    weight = torch.randn(32, generator=gen).to(dtype)
+    got = ops.rms_norm(k, weight, 1e-6)
+    torch.testing.assert_close(got, _hf_rms_norm(k.reshape(-1, 32), weight, 1e-6), **TOL[dtype])
+    with pytest.raises(ValueError, match="contiguous heads"):
+        ops.rms_norm(qkv.view(tokens, 7, 32)[:, ::2], weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(ops, dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(40, 2 * 80, generator=gen) * 6).to(dtype)

@@ -32,15 +32,16 @@
  * The residual is updated in place; out is contiguous [rows, hidden].
  */
 static inline __attribute__((always_inline)) void rms_norm_row(
-    const void *x, int64_t x_stride, void *residual, int64_t res_stride, const void *weight,
-    void *out, int64_t t, int64_t hidden, float eps, const int dtype)
+    const void *x, int64_t x_stride, int64_t heads, void *residual, int64_t res_stride,
+    const void *weight, void *out, int64_t t, int64_t hidden, float eps, const int dtype)
 {
     {
+        const int64_t x_row = (t / heads) * x_stride + (t % heads) * hidden;
         float sum_sq = 0.0f;
         if (residual != NULL) {
 #pragma omp simd reduction(+ : sum_sq)
             for (int64_t i = 0; i < hidden; i++) {
-                const float h = round_to(dtype, load_at(x, t * x_stride + i, dtype) +
+                const float h = round_to(dtype, load_at(x, x_row + i, dtype) +
                                                     load_at(residual, t * res_stride + i, dtype));
                 store_at(residual, t * res_stride + i, dtype, h);
                 sum_sq += h * h;
@@ -48,12 +49,12 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         } else {
 #pragma omp simd reduction(+ : sum_sq)
             for (int64_t i = 0; i < hidden; i++) {
-                const float h = load_at(x, t * x_stride + i, dtype);
+                const float h = load_at(x, x_row + i, dtype);
                 sum_sq += h * h;
             }
         }
         const void *src = residual != NULL ? residual : x;
-        const int64_t src_row = t * (residual != NULL ? res_stride : x_stride);
+        const int64_t src_row = residual != NULL ? t * res_stride : x_row;
         const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++) {
@@ -129,11 +130,17 @@ static inline __attribute__((always_inline)) void rotary_row(
         return -1;                                                                           \
     }
 
-int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
-             const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype)
+/* heads > 1: x holds rows of `heads` contiguous runs of `hidden` values (the heads of a
+ * token, tokens x_stride apart): row t is head t % heads of token t / heads (per-head
+ * q/k norms on a slice of a fused projection). Only without a residual. */
+int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
+             int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
+             float eps, int dtype)
 {
+    if (heads < 1 || (heads > 1 && residual != NULL)) return -1;
     const int64_t cols = hidden;
-#define ROW(D) rms_norm_row(x, x_stride, residual, res_stride, weight, out, t, hidden, eps, D)
+#define ROW(D) \
+    rms_norm_row(x, x_stride, heads, residual, res_stride, weight, out, t, hidden, eps, D)
     DISPATCH(ROW)
 #undef ROW
 }

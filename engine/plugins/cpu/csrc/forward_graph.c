@@ -64,8 +64,8 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
         int status;
         switch (row[0]) {
         case GK_RMS_NORM:
-            status = rms_norm(P(0), a[1], P(2), a[3], P(4), P(5), a[6], a[7], f32_word(a[8]),
-                              I(9));
+            status = rms_norm(P(0), a[1], a[2], P(3), a[4], P(5), P(6), a[7], a[8],
+                              f32_word(a[9]), I(10));
             break;
         case GK_SILU_AND_MUL:
             status = silu_and_mul(P(0), a[1], P(2), a[3], a[4], I(5));

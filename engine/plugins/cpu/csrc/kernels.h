@@ -20,8 +20,9 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
              int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype);
-int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
-             const void *weight, void *out, int64_t rows, int64_t hidden, float eps, int dtype);
+int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
+             int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
+             float eps, int dtype);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                  int dtype);
 int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin,
