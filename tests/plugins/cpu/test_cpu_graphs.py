@@ -16,14 +16,6 @@ from engine.plugins.cpu.graphs import ALIGN, CPUGraphCapturer, plan_graph
 from engine.plugins.cpu.platform import CPUPlatform
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = native.load_kernels()
-    if loaded is None:
-        pytest.skip("no C compiler here")
-    return loaded
-
-
 @pytest.fixture
 def capturer(kernels):
     return CPUGraphCapturer(kernels)

@@ -11,14 +11,6 @@ from engine.plugins.cpu import kernel_build, native
 build = native.load_kernels.__wrapped__  # uncached: each call decides afresh
 
 
-@pytest.fixture
-def kernels():
-    loaded = native.load_kernels()
-    if loaded is None:
-        pytest.skip("no C compiler here")
-    return loaded
-
-
 def test_library_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch, kernels):
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
     first = build()
