@@ -1,11 +1,11 @@
 """Fused kernels of decoder layers (and the sampler's argmax) that a platform may supply.
 
 At decode batch sizes RMSNorm (with its residual add), the gated activation, the
-rotary embedding and the embedding lookup are a few kilobytes of arithmetic each, but as chains of torch ops
-they cost a dispatch per op, dozens per layer. A platform that has fused kernels for
-them returns a :class:`FusedOps` from ``Platform.fused_ops()``; the model's
-layers then call it for the dtypes it supports and keep their torch op chains
-otherwise. Each kernel must round to the storage dtype where the op chain it replaces
+rotary embedding and the embedding lookup are a few kilobytes of arithmetic each, but
+as chains of torch ops they cost a dispatch per op, dozens per layer. A platform that
+has fused kernels for them returns a :class:`FusedOps` from ``Platform.fused_ops()``;
+the model's layers then call it for the dtypes it supports and keep their torch op
+chains otherwise. Each kernel must round to the storage dtype where the op chain it replaces
 does (HF's arithmetic order), so swapping one in moves results by float32 rounding at
 most. The sampler takes its row-wise argmax (greedy rows and the exponential race) from
 here too: torch's index-tracking reduction reads [64, 16000] float32 logits at ~1 GB/s.
