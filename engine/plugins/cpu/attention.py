@@ -25,9 +25,10 @@ Per layer, :meth:`CPUAttentionImpl.forward`:
 2. with the C kernel of :mod:`engine.plugins.cpu.native` (when it could be built and
    serves the layer): attends for every token of the step in one call, each token a
    query of its own over its causal prefix (a decode's whole context, a prefill
-   token's keys up to its position), reading the blocks in place. For a prefill this
-   skips the gathers and per-request SDPA calls (64 x 128-token prompts: ~2x faster
-   attention) and matches SDPA at 2K-token prompts, where SDPA's tiling would win most;
+   token's keys up to its position), reading the blocks in place. For short prefill
+   chunks this skips the gathers and per-request SDPA calls (64 x 128-token prompts:
+   ~2x faster attention); chunks whose context exceeds ``KERNEL_PREFILL_MAX_CONTEXT``
+   go to SDPA as in step 3, where its tiled matmuls win;
 3. otherwise with torch ops: all single-token requests ("decodes") at once, their
    blocks gathered into a padded ``[R, kv_heads, keys, D]`` tensor and one masked SDPA
    with the queries grouped as ``[R, kv_heads, group, D]`` (GQA without repeating
@@ -116,13 +117,23 @@ class _WriteIndex:
     rows: torch.Tensor | None  # int64 [W] token rows written; None: all rows
 
 
+# Prefill chunks whose context (cached + new tokens) is at most this long go through the
+# C kernel one token at a time; longer ones through SDPA, whose tiled matmuls then win
+# (llama-tiny prefill of one prompt: C 0.041 vs SDPA 0.047 s at 256 tokens, equal at
+# 1024, 6.2 vs 4.9 s at 8000).
+KERNEL_PREFILL_MAX_CONTEXT = 1024
+
+
 @dataclass
 class _TokenQueries:
-    """Every token of a step as a query of its own, for the C kernel: token ``t`` at
-    position ``p`` attends to keys ``0 ..= p`` of its request (its causal prefix)."""
+    """The tokens of a step the C kernel attends for, each a query of its own: token
+    ``t`` at position ``p`` attends to keys ``0 ..= p`` of its request (its causal
+    prefix). Decodes and short prefill chunks; ``long_prefills`` go to SDPA."""
 
-    seq_lens: torch.Tensor  # int64 [T]: p + 1
-    block_tables: torch.Tensor  # int64 [T, M]: the token's request's row
+    rows: torch.Tensor | None  # int64 token rows; None: every token of the step
+    seq_lens: torch.Tensor  # int64 [rows]: p + 1
+    block_tables: torch.Tensor  # int64 [rows, M]: the token's request's row
+    long_prefills: list[_Prefill]
 
 
 @dataclass
@@ -143,7 +154,7 @@ class CPUAttentionMetadata:
     _token_queries: _TokenQueries | None = None
     _write_index: _WriteIndex | None = None
     _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
-    _prefill_plans: dict[int | None, list[_KeyPlan]] = field(default_factory=dict)
+    _prefill_plans: dict[tuple[int | None, int], list[_KeyPlan]] = field(default_factory=dict)
 
     def write_index(self) -> _WriteIndex:
         """Block / offset of every written row, for the torch-op store (built once)."""
@@ -162,13 +173,21 @@ class CPUAttentionMetadata:
         """Per-token lengths and block tables of a step with prefill chunks (built once)."""
         if self._token_queries is None:
             query_lens = self.query_lens
+            by_kernel = (query_lens == 1) | (self.seq_lens <= KERNEL_PREFILL_MAX_CONTEXT)
             token_req = np.repeat(np.arange(len(query_lens)), query_lens)
             ends = np.cumsum(query_lens)
             # token t of its request's chunk ending at ends[r]: position seq_len - (end - t)
             seq_lens = self.seq_lens[token_req] - (ends[token_req] - 1 - np.arange(len(token_req)))
+            rows = None
+            if not by_kernel.all():
+                kept = np.flatnonzero(by_kernel[token_req])
+                token_req, seq_lens, rows = token_req[kept], seq_lens[kept], _tensor(kept)
+            long_starts = set((ends - query_lens)[~by_kernel].tolist())
             self._token_queries = _TokenQueries(
-                seq_lens=torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int64)),
+                rows=rows,
+                seq_lens=_tensor(seq_lens),
                 block_tables=self.block_tables.index_select(0, torch.from_numpy(token_req)),
+                long_prefills=[p for p in self.prefills if p.start in long_starts],
             )
         return self._token_queries
 
@@ -182,11 +201,14 @@ class CPUAttentionMetadata:
             plan = self._decode_plans[window] = self._make_decode_plan(window)
         return plan
 
-    def prefill_plans(self, window: int | None) -> list[_KeyPlan]:
-        plans = self._prefill_plans.get(window)
+    def prefill_plans(self, window: int | None, prefills: list[_Prefill]) -> list[_KeyPlan]:
+        """Key plans of ``prefills``: all of the step's, or the C path's long ones (a
+        subset, so the two lists differ in length when they differ)."""
+        key = (window, len(prefills))
+        plans = self._prefill_plans.get(key)
         if plans is None:
-            plans = self._prefill_plans[window] = [
-                self._make_prefill_plan(p, window) for p in self.prefills
+            plans = self._prefill_plans[key] = [
+                self._make_prefill_plan(p, window) for p in prefills
             ]
         return plans
 
@@ -266,30 +288,49 @@ class CPUAttentionImpl(AttentionImpl):
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
         decode_only = metadata.decode_rows is None and num_decodes == query.shape[0]
-        if self.kernels is not None and query.dtype == key_cache.dtype:
-            # One C call for the whole step: every token attends to its causal prefix.
-            if decode_only:
-                seq_lens, tables = metadata.decode_seq_lens, metadata.decode_block_tables
-            else:
-                tokens = metadata.token_queries()
-                seq_lens, tables = tokens.seq_lens, tokens.block_tables
-            spec = self.spec
-            return self.kernels.paged_decode_attention(
-                query, key_cache, value_cache, tables, seq_lens,
-                spec.scale, spec.sliding_window, spec.logits_soft_cap,
-            )
-        if decode_only:
-            return self._decode(query, key_cache, value_cache, metadata)
-        out = torch.empty_like(query)
-        if num_decodes:
-            rows = metadata.decode_rows
-            out[rows] = self._decode(query[rows], key_cache, value_cache, metadata)
         window = self.spec.sliding_window
-        for p, plan in zip(metadata.prefills, metadata.prefill_plans(window)):
+        if self.kernels is not None and query.dtype == key_cache.dtype:
+            if decode_only:
+                return self._kernel(query, key_cache, value_cache, metadata.decode_seq_lens,
+                                    metadata.decode_block_tables)
+            # One C call for every token but those of long prefill chunks (SDPA's).
+            tokens = metadata.token_queries()
+            if tokens.rows is None:
+                return self._kernel(query, key_cache, value_cache, tokens.seq_lens,
+                                    tokens.block_tables)
+            out = torch.empty_like(query)
+            if tokens.rows.numel():
+                out[tokens.rows] = self._kernel(query[tokens.rows], key_cache, value_cache,
+                                                tokens.seq_lens, tokens.block_tables)
+            prefills = tokens.long_prefills
+        else:
+            if decode_only:
+                return self._decode(query, key_cache, value_cache, metadata)
+            out = torch.empty_like(query)
+            if num_decodes:
+                rows = metadata.decode_rows
+                out[rows] = self._decode(query[rows], key_cache, value_cache, metadata)
+            prefills = metadata.prefills
+        for p, plan in zip(prefills, metadata.prefill_plans(window, prefills)):
             out[p.start : p.end] = self._prefill(
                 query[p.start : p.end], key_cache, value_cache, plan
             )
         return out
+
+    def _kernel(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """The C kernel: query row i attends to keys ``[0, seq_lens[i])`` of its table."""
+        spec = self.spec
+        return self.kernels.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens,
+            spec.scale, spec.sliding_window, spec.logits_soft_cap,
+        )
 
     def _cache_views(
         self, kv_cache: torch.Tensor, block_size: int
@@ -441,9 +482,9 @@ class CPUAttentionBackend(AttentionBackend):
             decode_rows, decode_tables = None, block_tables
             decode_seq_lens = torch.from_numpy(seq_lens)
         else:
-            decode_rows = self._tensor(qsl[decode_reqs])
-            decode_tables = block_tables.index_select(0, self._tensor(decode_reqs))
-            decode_seq_lens = self._tensor(seq_lens[decode_reqs])
+            decode_rows = _tensor(qsl[decode_reqs])
+            decode_tables = block_tables.index_select(0, _tensor(decode_reqs))
+            decode_seq_lens = _tensor(seq_lens[decode_reqs])
         prefills = [
             _Prefill(
                 start=int(qsl[r]),
@@ -486,8 +527,9 @@ class CPUAttentionBackend(AttentionBackend):
             prefills=[],
         )
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))  # host = device
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))  # host = device
 
 
 def _host(array, tensor: torch.Tensor) -> np.ndarray:

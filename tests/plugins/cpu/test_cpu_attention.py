@@ -199,7 +199,12 @@ MIXED = [(1, 1), (7, 7), (1, 33), (5, 21), (1, 16), (16, 40), (1, 17)]
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_size, block_size, dtype):
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_size, block_size, dtype,
+                                       kernel_max_context, monkeypatch):
+    """kernel_max_context 20: the C path hands the chunks with longer contexts to SDPA
+    (their keys in the kernel's layout) while it attends for the rest itself."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
     case = make_case(MIXED, num_heads, num_kv_heads, head_size, block_size, dtype)
     scale = head_size**-0.5
     spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, scale)
