@@ -173,7 +173,7 @@ class CPUAttentionMetadata:
         """Per-token lengths and block tables of a step with prefill chunks (built once)."""
         if self._token_queries is None:
             query_lens = self.query_lens
-            by_kernel = (query_lens == 1) | (self.seq_lens <= KERNEL_PREFILL_MAX_CONTEXT)
+            by_kernel = (query_lens <= 1) | (self.seq_lens <= KERNEL_PREFILL_MAX_CONTEXT)
             token_req = np.repeat(np.arange(len(query_lens)), query_lens)
             ends = np.cumsum(query_lens)
             # token t of its request's chunk ending at ends[r]: position seq_len - (end - t)
