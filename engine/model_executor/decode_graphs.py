@@ -64,6 +64,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, ForwardGraph] = {}
         self._eager_sizes: set[int] = set()
+        # On the host the buffers are filled through numpy views made once.
+        self._buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                         self.block_tables)
+        self._host_views = tuple(b.numpy() for b in self._buffers) if self._host else None
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -95,20 +99,15 @@ class DecodeGraphs:
         """Write the step's inputs into the persistent buffers' first rows."""
         n = len(step.input_ids)
         width = step.block_tables.shape[1]
-        for buffer, array in (
-            (self.input_ids, step.input_ids),
-            (self.positions, step.positions),
-            (self.slot_mapping, step.slot_mapping),
-            (self.seq_lens, step.seq_lens),
-        ):
-            self._copy(buffer[:n], array)
-        self._copy(self.block_tables[:n, :width], step.block_tables)
-
-    def _copy(self, buffer: torch.Tensor, array: np.ndarray) -> None:
-        if self._host:
-            buffer.numpy()[...] = array  # casts into the int64 buffer in place
-        else:
-            buffer.copy_(torch.from_numpy(np.asarray(array, dtype=np.int64)), non_blocking=True)
+        arrays = (step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                  step.block_tables)
+        if self._host_views is not None:
+            for view, array in zip(self._host_views, arrays):
+                view[(slice(n), slice(width))[: view.ndim]] = array  # casts to int64 in place
+            return
+        for buffer, array in zip(self._buffers, arrays):
+            target = buffer[(slice(n), slice(width))[: buffer.dim()]]
+            target.copy_(torch.from_numpy(np.asarray(array, dtype=np.int64)), non_blocking=True)
 
     def _capture(self, n: int, max_seq_len: int) -> ForwardGraph | None:
         batch = AttentionBatch(
