@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.interfaces import DenseLayerSpec
-from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
+from engine.plugins.cpu.gemm import CPUPackedGemm, CPUPlainGemm, OneDNNPackedGemm
 from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
 
 TINY_SHAPES = "768x512,512x512,3072x512,512x1536,16000x512"
@@ -39,8 +39,8 @@ def _time_us(fn, min_seconds: float = 0.2) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _runner(kernel, weights: list[torch.Tensor], x: torch.Tensor):
-    prepared = [kernel.prepare(w) if kernel else w for w in weights]
+def _runner(kernel, spec, weights: list[torch.Tensor], x: torch.Tensor):
+    prepared = [kernel.prepare(w, spec) if kernel else w for w in weights]
     turn = iter(range(1 << 62))
 
     def run() -> None:
@@ -66,15 +66,15 @@ def main() -> None:
     for shape in args.shapes.split(","):
         out_f, in_f = map(int, shape.lower().split("x"))
         spec = DenseLayerSpec(in_f, out_f, dtype, torch.device("cpu"))
-        candidates = (AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv)
+        candidates = (CPUPackedGemm, OneDNNPackedGemm, CPUPlainGemm)
         kernels = [k() for k in candidates if k.can_implement(spec) is None]
         copies = max(1, COLD_BYTES // (out_f * in_f * dtype.itemsize)) if args.cold else 1
         weights = [torch.randn(out_f, in_f).to(dtype) for _ in range(copies)]
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, in_f).to(dtype)
-            base = _time_us(_runner(None, weights, x))
+            base = _time_us(_runner(None, spec, weights, x))
             for kernel in (*kernels, None):
-                us = base if kernel is None else _time_us(_runner(kernel, weights, x))
+                us = base if kernel is None else _time_us(_runner(kernel, spec, weights, x))
                 name = kernel.name if kernel else "F.linear"
                 gflops = 2 * m * out_f * in_f / us / 1e3
                 print(f"{shape:>12} {m:>5} {name:>16} {us:>10.1f} {gflops:>8.1f}"

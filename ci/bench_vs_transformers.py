@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLM
     from engine.benchmarks.report import environment, format_table
     from engine.benchmarks.workload import Workload, vocab_high_for
-    from engine.plugins.cpu.platform import usable_core_count
+    from engine.plugins.cpu.threads import usable_core_count
 
     threads = args.threads or usable_core_count()
     torch.set_num_threads(threads)

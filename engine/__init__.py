@@ -7,15 +7,8 @@ Public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``
 
 from __future__ import annotations
 
-import os
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
-
-# libgomp threads spin for a long time before sleeping; when another process shares the
-# cores (the server's front end, a neighbour) that stalls every parallel region 10-40x.
-# A short spin keeps quiet-machine speed (measured within noise) and must be set before
-# torch loads libgomp; an explicit user setting wins. The core subprocess inherits it.
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 __version__ = "0.1.0"
 

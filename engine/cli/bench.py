@@ -90,7 +90,7 @@ def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
     from engine.benchmarks.report import environment, format_table, write_json
 
     env = environment()
-    rows = rows + [
+    rows = rows + _runtime_row(llm_info) + [
         ("threads / load avg", f"{env['torch_threads']} / {env['load_avg_1m']}"),
         ("memory read", f"{env['memory_read_gb_s']} GB/s"),
     ]
@@ -101,9 +101,28 @@ def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
 
 
 def _llm_info(llm, load_s: float) -> dict[str, Any]:
+    """The model, its dtypes and what the executor runs it with (platform, ISA level,
+    kernels), read from the in-process engine core."""
     config = llm.llm_engine.config
-    return {"model": config.model.model, "dtype": config.model.dtype,
-            "load_s": round(load_s, 2)}
+    info: dict[str, Any] = {"model": config.model.model, "dtype": config.model.dtype,
+                            "load_s": round(load_s, 2)}
+    core = getattr(llm.llm_engine.client, "core", None)
+    if core is not None:
+        info["runtime"] = core.executor.runtime_info()
+        info["activation_dtype"] = info["runtime"]["activation_dtype"]
+    return info
+
+
+def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
+    runtime = llm_info.get("runtime")
+    if not runtime:
+        return []
+    level = runtime.get("isa_level")
+    kernels = ", ".join(f"{name} x{count}" for name, count in runtime["gemm_kernels"].items())
+    where = f"{runtime['platform']}" + (f" ({level})" if level else "")
+    return [("runs on", f"{where}: {runtime['weight_dtype']} weights, "
+                        f"{runtime['activation_dtype']} activations"),
+            ("GEMMs", kernels or "-")]
 
 
 def _timed_llm(engine_kwargs: dict[str, Any]):

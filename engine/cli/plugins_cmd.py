@@ -21,6 +21,7 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
                 "priority": p.priority,
                 "available": p.available,
                 "reason": p.probe.reason,
+                "kernels": _kernel_info(registry, p),
             }
         )
     auto = registry.auto_platform()
@@ -42,6 +43,28 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
         "allowlist": registry.allowlist,
         "warnings": list(registry.warnings),
     }
+
+
+def _kernel_info(registry: PluginRegistry, info) -> dict[str, Any]:
+    """An available platform's kernel_info() (a failing one is reported, not raised)."""
+    if not info.available:
+        return {}
+    try:
+        return dict(registry.instance(info).kernel_info())
+    except Exception as exc:  # noqa: BLE001 - a plugin's report never breaks the listing
+        return {"error": f"kernel_info() raised {type(exc).__name__}: {exc}"}
+
+
+def _kernel_lines(report: dict[str, Any]) -> list[str]:
+    """One line per platform that reports its kernels: ``key: value`` pairs."""
+    lines = []
+    for plugin in report["plugins"]:
+        for p in plugin["platforms"]:
+            if p.get("kernels"):
+                parts = [f"{key}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                         for key, v in p["kernels"].items()]
+                lines.append(f"{p['name']} kernels: " + "; ".join(parts))
+    return lines
 
 
 def _table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -75,6 +98,7 @@ def render_table(report: dict[str, Any]) -> str:
     if len(rows) == 1:
         lines.append("(no plugins installed in entry-point group engine.plugins)")
     lines.append("")
+    lines.extend(_kernel_lines(report))
     lines.append(f"--device auto -> {report['auto'] or '(no platform available)'}")
     if report["allowlist"] is not None:
         lines.append(f"ENGINE_PLUGINS limits loading to: {', '.join(report['allowlist'])}")

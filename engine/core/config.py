@@ -26,7 +26,11 @@ class ModelConfig(BaseModel):
     model: str
     tokenizer: str | None = None  # defaults to the model directory
     served_model_name: str | None = None
-    dtype: DType = "auto"  # "auto": the checkpoint's torch_dtype
+    dtype: DType = "auto"  # the weights' (and KV cache's); "auto": the checkpoint's torch_dtype
+    # Whether dtype came from --dtype auto: the platform may then compute in a wider
+    # activation dtype (Platform.activation_dtype), resolved by the executor.
+    dtype_is_auto: bool = False
+    activation_dtype: DType | None = None  # None: dtype
     max_model_len: int | None = Field(default=None, ge=1)  # None: from the HF config
     seed: int = 0
     revision: str | None = None

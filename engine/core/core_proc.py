@@ -5,7 +5,8 @@ Run as ``python -m engine.core.core_proc --run-dir DIR --parent-pid PID`` by
 ``EngineConfig``) and the two ipc sockets the parent has bound (``input``, ``output``).
 The wire format is in :mod:`engine.core.core_protocol`.
 
-Lifecycle: connect the sockets, build the ``EngineCore`` (the model loads here), send
+Lifecycle: connect the sockets, let the installed platforms prepare the process (before
+torch loads), build the ``EngineCore`` (the model loads here), send
 READY (or DEAD with the error text if startup failed), then loop:
 
 1. read input: without blocking while requests are running (drain everything pending),
@@ -212,7 +213,10 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
         try:
             from engine.core.config import EngineConfig
             from engine.core.engine_core import EngineCore
+            from engine.core.plugins import get_plugin_registry
 
+            # Before any probe imports torch: settings device runtimes read when they load.
+            get_plugin_registry().prepare_worker_process()
             config = EngineConfig.model_validate_json((run_dir / CONFIG_FILE).read_text())
             core = EngineCore(config)
         except Exception as exc:

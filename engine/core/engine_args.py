@@ -114,6 +114,7 @@ class EngineArgs:
                 tokenizer=self.tokenizer,
                 served_model_name=served_name,
                 dtype=str(dtype).removeprefix("torch."),
+                dtype_is_auto=self.dtype == "auto",
                 max_model_len=max_model_len,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,

@@ -7,6 +7,7 @@ parallel workers) will offer the same two calls.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -31,14 +32,15 @@ class Executor:
         self.config = config
         self.platform = platform
         platform.check_and_update_config(config)
-        platform.init_worker()
-        platform.set_num_threads(config.device.num_threads)
+        platform.init_worker(config.device.num_threads)
         platform.seed_everything(config.model.seed)
 
         dtype = getattr(torch, config.model.dtype)
-        why = platform.check_dtype(dtype)
-        if why:
-            raise ValueError(why)
+        activation = self._activation_dtype(dtype)
+        for wanted in {dtype, activation}:
+            why = platform.check_dtype(wanted)
+            if why:
+                raise ValueError(why)
         block_size = config.cache.block_size
         backend_cls = platform.get_attention_backend(config.device.attention_backend)
         self.attn_backend = backend_cls(block_size, platform.device())
@@ -46,9 +48,12 @@ class Executor:
             config.model.model, dtype, platform.device(), self.attn_backend,
             dense_gemm_kernels=platform.dense_gemm_kernels(),
             fused_ops=platform.fused_ops(),
+            activation_dtype=activation,
         )
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+        # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
+        # float32 keeps bf16 K/V, which the attention kernels widen as they read.
         spec = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size, dtype)
         self.num_blocks = self._num_blocks(weights_bytes)
@@ -68,6 +73,42 @@ class Executor:
             "platform %s, attention %s, %.1f MiB weights, %d KV blocks of %d tokens",
             platform.name, backend_cls.name, weights_bytes / 2**20, self.num_blocks, block_size,
         )
+
+    def runtime_info(self) -> dict[str, Any]:
+        """What this executor runs with (benchmark reports): platform, dtypes, attention
+        backend, the GEMM kernel of every linear, forward graphs, and the platform's own
+        kernel_info (the CPU's ISA level)."""
+        kernels: dict[str, int] = {}
+        for module in self.model.modules():
+            if hasattr(module, "gemm_kernel") and getattr(module, "weight", None) is not None:
+                kernel = module.gemm_kernel
+                name = "F.linear" if kernel is None else getattr(kernel, "description",
+                                                                  kernel.name)
+                kernels[name] = kernels.get(name, 0) + 1
+        model = self.config.model
+        return {
+            "platform": self.platform.name,
+            "attention_backend": self.attn_backend.name,
+            "weight_dtype": model.dtype,
+            "activation_dtype": model.activation_dtype or model.dtype,
+            "kv_cache_dtype": str(self.kv_spec.dtype).removeprefix("torch."),
+            "gemm_kernels": kernels,
+            "forward_graphs": self.runner.decode_graphs is not None,
+            **self.platform.kernel_info(),
+        }
+
+    def _activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What the model computes in: the config's activation dtype, else for ``--dtype
+        auto`` the platform's choice for these weights (recorded in the config), else the
+        weights' own dtype."""
+        model = self.config.model
+        if model.activation_dtype is not None:
+            return getattr(torch, model.activation_dtype)
+        if not model.dtype_is_auto:
+            return dtype
+        activation = self.platform.activation_dtype(dtype)
+        model.activation_dtype = str(activation).removeprefix("torch.")
+        return activation
 
     def _num_blocks(self, weights_bytes: int) -> int:
         cache = self.config.cache

@@ -255,12 +255,14 @@ def load_model(
     quant_config: Any = None,
     dense_gemm_kernels: Sequence[type[DenseGemmKernel]] = (),
     fused_ops: FusedOps | None = None,
+    activation_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
-    ``dense_gemm_kernels`` (the platform's, in preference order) then repack the
-    unquantized linear weights they accept, once, for the platform's fastest GEMM;
-    ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
+    ``dtype`` is the weights' dtype, ``activation_dtype`` (None: the same) the one the
+    model computes in. ``dense_gemm_kernels`` (the platform's, in preference order) then
+    repack the unquantized linear weights they accept, once, for the platform's fastest
+    GEMM; ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
     files = model if isinstance(model, ModelFiles) else load_model_files(model)
     hf_config = files.hf_config
     quant = getattr(hf_config, "quantization_config", None)
@@ -271,12 +273,14 @@ def load_model(
             "unquantized weights"
         )
     dtype = resolve_dtype(hf_config, dtype)
+    compute = dtype if activation_dtype is None else resolve_dtype(hf_config, activation_dtype)
     ctx = ModelInitContext(
-        dtype=dtype,
+        dtype=compute,
         device=torch.device(device),
         attn_backend=attn_backend,
         quant_config=quant_config,
         fused_ops=fused_ops,
+        weight_dtype=dtype,
     )
     with torch.no_grad():
         net = files.model_cls(hf_config, ctx)
@@ -285,11 +289,13 @@ def load_model(
     net.eval()
     net.requires_grad_(False)
     logger.info(
-        "loaded %s (%s) from %s in %s; %d linear weights repacked for the platform GEMM",
+        "loaded %s (%s) from %s: %s weights, %s activations; %d linear weights repacked "
+        "for the platform GEMM",
         files.architecture,
         files.model_cls.__name__,
         files.path,
         _dtype_name(dtype),
+        _dtype_name(compute),
         packed,
     )
     return net

@@ -104,19 +104,26 @@ def test_prefix(tmp_path, llama_dir):
     assert results["speedup"] == pytest.approx(expected, rel=0.02)
 
 
-def test_profile(tmp_path, llama_dir):
+@pytest.mark.parametrize("eager", [False, True])
+def test_profile(tmp_path, llama_dir, eager):
+    """Decode steps replay their forward graph (one stage); --enforce-eager splits the
+    forward into attention, linear and the rest."""
     from engine.benchmarks.step_profile import STAGES
 
     report = _bench(
         tmp_path, "profile", "--model", str(llama_dir), "--num-prompts", "4",
         "--input-len", "8", "--steps", "2", "--warmup", "0",
+        *(["--enforce-eager"] if eager else []),
     )
     results = report["results"]
     assert results["num_running"] == 4
     stages = results["stage_ms"]
     assert set(stages) == {*STAGES, "unaccounted"}
     assert all(ms >= 0 for ms in stages.values())
-    assert stages["linear"] > 0 and stages["attention"] > 0
+    if eager:
+        assert stages["linear"] > 0 and stages["attention"] > 0 and stages["graph"] == 0
+    else:
+        assert stages["graph"] > 0 and stages["linear"] == stages["attention"] == 0
     # The stages partition the reported step (up to the rounding of each figure).
     assert sum(stages.values()) == pytest.approx(results["step_ms"], abs=0.01)
     assert 0 < results["overhead_share"] < 1

@@ -12,7 +12,8 @@ import torch
 from engine.core.config import CPU_KVCACHE_ENV, CacheConfig
 from engine.core.interfaces import ProbeResult
 from engine.distributed import GlooCommunicator, NcclCommunicator
-from engine.plugins.cpu.platform import CPUPlatform, usable_core_count
+from engine.plugins.cpu.platform import CPUPlatform
+from engine.plugins.cpu.threads import usable_core_count
 from engine.plugins.cuda.platform import CUDAPlatform
 from engine.plugins.gpu_memory import GIB, activation_margin, gpu_kv_cache_bytes
 from engine.plugins.rocm.platform import ROCmPlatform

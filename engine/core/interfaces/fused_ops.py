@@ -58,9 +58,12 @@ class FusedOps(ABC):
         ``positions`` int64 and within the cache."""
 
     @abstractmethod
-    def embedding(self, ids: "torch.Tensor", weight: "torch.Tensor") -> "torch.Tensor":
-        """``weight[ids]`` for int64 ``ids [T]`` and a contiguous ``weight [vocab, hidden]``
-        (a ValueError for an id outside the vocabulary)."""
+    def embedding(
+        self, ids: "torch.Tensor", weight: "torch.Tensor", dtype: "torch.dtype | None" = None
+    ) -> "torch.Tensor":
+        """``weight[ids]`` for int64 ``ids [T]`` and a contiguous ``weight [vocab, hidden]``,
+        in ``dtype`` (None: the table's; a narrower table is widened) -- a ValueError for
+        an id outside the vocabulary."""
 
     @abstractmethod
     def argmax(self, x: "torch.Tensor") -> "torch.Tensor":

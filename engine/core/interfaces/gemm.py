@@ -6,7 +6,13 @@ in preference order; the first that accepts it repacks the weight once into the 
 its GEMM reads fastest (e.g. oneDNN's blocked format on CPU, where a prepacked weight
 avoids a reorder inside every call). A weight another layer also reads in its plain
 layout (an LM head tied to the embedding) is offered only to kernels that keep the
-layout (``keeps_layout``). Layers no kernel accepts keep ``F.linear``.
+layout (``keeps_layout``). Layers no kernel accepts keep ``F.linear`` (their weight
+widened to the activation dtype first, when the two differ).
+
+Weights may be stored narrower than the activations are computed in: a bf16 checkpoint
+on a CPU without bf16 arithmetic keeps its bf16 weights (half the bytes a decode step
+streams) and computes in float32; ``DenseLayerSpec.activation_dtype`` says so, and a
+kernel that accepts such a layer widens the weight itself.
 """
 
 from __future__ import annotations
@@ -25,10 +31,16 @@ class DenseLayerSpec:
 
     in_features: int
     out_features: int
-    dtype: "torch.dtype"
+    dtype: "torch.dtype"  # the weight's
     device: "torch.device"
     # The weight is shared with a layer that reads it as a plain [out, in] matrix.
     shared: bool = False
+    # The dtype of x and y (None: the weight's).
+    activation_dtype: "torch.dtype | None" = None
+
+    @property
+    def act_dtype(self) -> "torch.dtype":
+        return self.dtype if self.activation_dtype is None else self.activation_dtype
 
 
 class DenseGemmKernel(ABC):
@@ -44,11 +56,13 @@ class DenseGemmKernel(ABC):
         """None if this kernel can run ``spec``; otherwise why it cannot."""
 
     @abstractmethod
-    def prepare(self, weight: "torch.Tensor") -> "torch.Tensor":
-        """The ``[out, in]`` weight repacked for :meth:`apply` (called once, after loading)."""
+    def prepare(self, weight: "torch.Tensor", spec: DenseLayerSpec) -> "torch.Tensor":
+        """The ``[out, in]`` weight repacked for :meth:`apply` on layers of ``spec``
+        (called once, after loading)."""
 
     @abstractmethod
     def apply(
         self, weight: "torch.Tensor", x: "torch.Tensor", bias: "torch.Tensor | None" = None
     ) -> "torch.Tensor":
-        """``x [..., in] -> [..., out]`` with the weight :meth:`prepare` returned."""
+        """``x [..., in] -> [..., out]`` in x's dtype, with the weight :meth:`prepare`
+        returned."""

@@ -80,6 +80,13 @@ class Platform(ABC):
             )
         return None
 
+    def activation_dtype(self, weight_dtype: "torch.dtype") -> "torch.dtype":
+        """The dtype to compute in when ``--dtype auto`` loads weights of ``weight_dtype``
+        (they stay stored as they are). The same by default; a platform without fast
+        arithmetic in a narrow dtype may widen the activations (a CPU without bf16 dot
+        products computes a bf16 checkpoint in float32)."""
+        return weight_dtype
+
     @abstractmethod
     def total_memory_bytes(self) -> int:
         """Total memory of one device."""
@@ -152,12 +159,26 @@ class Platform(ABC):
         platform has none: every forward then runs eagerly."""
         return None
 
+    def kernel_info(self) -> dict[str, Any]:
+        """What the platform computes with, for ``engine plugins`` and benchmark reports
+        (e.g. the CPU's ISA level and kernel order); cheap, plain JSON values."""
+        return {}
+
     def check_and_update_config(self, config: Any) -> None:
         """Adjust or reject an engine config for this platform (raise ValueError)."""
 
-    def init_worker(self) -> None:
-        """Process-wide setup of a process about to run models (allocator settings,
-        device selection); called once by the executor before the model loads."""
+    @classmethod
+    def prepare_worker_process(cls) -> None:
+        """Settings that must be in place before device runtimes load (environment
+        variables a library reads once, when it loads: OpenMP's wait policy). Called for
+        every installed platform, first thing in an engine-core process, before any
+        probe has imported torch; must be cheap and never raise."""
+
+    def init_worker(self, num_threads: int | None = None) -> None:
+        """Process-wide setup of a process about to run models (threads and their
+        pinning, allocator settings, device selection); called once before the model
+        loads. ``num_threads``: host threads asked for (None: the platform's choice)."""
+        self.set_num_threads(num_threads)
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """Intra-op parallelism for host-side compute (meaningful on CPU)."""

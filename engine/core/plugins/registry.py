@@ -239,6 +239,16 @@ class PluginRegistry:
             info.platforms.append(cls.name)
         return None
 
+    def prepare_worker_process(self) -> None:
+        """Every installed platform's ``prepare_worker_process`` (no probing: it runs
+        before a probe may import torch); a failing one is logged, never fatal."""
+        for cls, plugin in self._platform_classes:
+            try:
+                cls.prepare_worker_process()
+            except Exception as exc:  # noqa: BLE001 - a plugin's setup never stops the core
+                logger.warning("platform %r (plugin %r): prepare_worker_process() raised %s",
+                               cls.name, plugin, _describe(exc))
+
     # -- queries ------------------------------------------------------------------------
     def plugins(self) -> list[PluginInfo]:
         return list(self._plugins)
@@ -308,6 +318,12 @@ class PluginRegistry:
                 )
             chosen = usable[0]
         return self._instance(chosen.platform_cls)
+
+    def instance(self, info: PlatformInfo) -> Platform:
+        """The (shared) instance of an available platform."""
+        if not info.available:
+            raise ValueError(f"platform {info.name!r} is not available: {info.probe.reason}")
+        return self._instance(info.platform_cls)
 
     def _instance(self, cls: type[Platform]) -> Platform:
         if cls not in self._instances:

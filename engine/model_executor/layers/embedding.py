@@ -1,4 +1,8 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+Both store their matrix in ``weight_dtype`` (default: ``dtype``, the activations'); a
+narrower one (bf16 weights, float32 activations) is widened by the lookup and the GEMM.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +25,19 @@ class VocabEmbedding(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         fused_ops: FusedOps | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        weight_dtype = weight_dtype or dtype
+        usable = fused_ops is not None and fused_ops.supports(dtype) and fused_ops.supports(
+            weight_dtype)
         # The platform's lookup kernel (which a forward graph can replay), else F.embedding.
-        self.fused_ops = fused_ops if fused_ops is not None and fused_ops.supports(dtype) else None
+        self.fused_ops = fused_ops if usable else None
+        self.dtype = dtype
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
+            torch.empty(num_embeddings, embedding_dim, dtype=weight_dtype, device=device),
             requires_grad=False,
         )
         self.weight.weight_loader = default_weight_loader
@@ -36,8 +45,8 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         fused = self.fused_ops
         if fused is not None and input_ids.dim() == 1 and input_ids.dtype == torch.int64:
-            return fused.embedding(input_ids, self.weight)
-        return F.embedding(input_ids, self.weight)
+            return fused.embedding(input_ids, self.weight, self.dtype)
+        return F.embedding(input_ids, self.weight).to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
@@ -56,11 +65,14 @@ class LMHead(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         bias: bool = False,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.dtype = dtype
         self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype, device=device),
+            requires_grad=False,
         )
         self.weight.weight_loader = default_weight_loader
         if bias:
@@ -90,4 +102,4 @@ class LMHead(nn.Module):
         head only takes kernels that keep the layout (``shared``)."""
         if self.gemm_kernel:
             return None
-        return dense_spec(self.weight, shared=self.tied)
+        return dense_spec(self.weight, shared=self.tied, activation_dtype=self.dtype)

@@ -7,6 +7,10 @@ calls (``create_weights`` / ``apply``, the signatures of
 :class:`engine.core.interfaces.QuantMethod`), so the model code never changes when a
 checkpoint is quantized.
 
+A layer's ``dtype`` is its activations'; an unquantized weight is stored in
+``weight_dtype`` (default the same), which may be narrower: bf16 weights computed in
+float32 on a CPU without bf16 arithmetic. Biases follow the activations.
+
 Merged layers (``qkv_proj``, ``gate_up_proj``) concatenate several checkpoint tensors
 along the output dimension so one GEMM replaces two or three; their parameters carry a
 ``weight_loader(param, tensor, shard_id)`` that copies one checkpoint tensor into its
@@ -37,7 +41,7 @@ class LinearMethod(Protocol):
 
 
 class UnquantizedLinearMethod:
-    """Dense ``[out, in]`` weight in the model dtype; ``y = x W^T + b``.
+    """Dense ``[out, in]`` weight in the layer's ``weight_dtype``; ``y = x W^T + b``.
 
     The GEMM is the platform's dense kernel once :func:`pack_dense_weights` gave the
     layer one (its weight then lives in that kernel's layout), else ``F.linear``."""
@@ -45,7 +49,8 @@ class UnquantizedLinearMethod:
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, params_dtype: torch.dtype
     ) -> None:
-        weight = torch.empty(out_features, in_features, dtype=params_dtype, device=layer.device)
+        dtype = getattr(layer, "weight_dtype", None) or params_dtype
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=layer.device)
         layer.weight = nn.Parameter(weight, requires_grad=False)
 
     def apply(
@@ -65,13 +70,12 @@ def dense_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
 def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -> int:
     """Offer every dense weight of ``model`` to the platform's kernels, in order; the
     first that accepts a layer repacks its weight (or, for a kernel that keeps the layout,
-    only takes it over). Returns how many layers got a kernel.
+    only takes it over). Returns how many layers got a kernel. A layer no kernel takes
+    keeps ``F.linear``, its weight widened to the activation dtype when stored narrower.
 
     A layer opts in by defining ``dense_weight_spec()`` (None: no kernel; ``shared``: the
     weight is also read plainly elsewhere, e.g. an LM head tied to the embedding) and a
     ``gemm_kernel`` attribute."""
-    if not kernels:
-        return 0
     packed = 0
     chosen: dict[type[DenseGemmKernel], DenseGemmKernel] = {}
     for module in model.modules():
@@ -85,17 +89,24 @@ def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -
             if kernel_cls.can_implement(spec) is None:
                 kernel = chosen.setdefault(kernel_cls, kernel_cls())
                 if not kernel_cls.keeps_layout:
-                    weight = kernel.prepare(module.weight)
+                    weight = kernel.prepare(module.weight, spec)
                     module.weight = nn.Parameter(weight, requires_grad=False)
                 module.gemm_kernel = kernel
                 packed += 1
                 break
+        else:
+            if spec.dtype != spec.act_dtype:  # F.linear multiplies one dtype
+                widened = module.weight.detach().to(spec.act_dtype)
+                module.weight = nn.Parameter(widened, requires_grad=False)
     return packed
 
 
-def dense_spec(weight: torch.Tensor, shared: bool = False) -> DenseLayerSpec:
+def dense_spec(
+    weight: torch.Tensor, shared: bool = False, activation_dtype: torch.dtype | None = None
+) -> DenseLayerSpec:
     out_features, in_features = weight.shape
-    return DenseLayerSpec(in_features, out_features, weight.dtype, weight.device, shared)
+    return DenseLayerSpec(in_features, out_features, weight.dtype, weight.device, shared,
+                          activation_dtype)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -130,11 +141,13 @@ class LinearBase(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_method: LinearMethod | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.params_dtype = dtype
+        self.weight_dtype = weight_dtype or dtype
         self.device = torch.device(device)
         self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, in_features, out_features, dtype)
@@ -157,7 +170,7 @@ class LinearBase(nn.Module):
         """Packable when unquantized and not packed yet."""
         if type(self.quant_method) is not UnquantizedLinearMethod or self.gemm_kernel:
             return None
-        return dense_spec(self.weight)
+        return dense_spec(self.weight, activation_dtype=self.params_dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -183,6 +196,7 @@ class MergedLinear(LinearBase):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_method: LinearMethod | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         self.shard_sizes = dict(shards)
         self.shard_offsets: dict[Any, int] = {}
@@ -197,6 +211,7 @@ class MergedLinear(LinearBase):
             dtype=dtype,
             device=device,
             quant_method=quant_method,
+            weight_dtype=weight_dtype,
         )
 
     def _set_loaders(self) -> None:
@@ -231,6 +246,7 @@ class QKVLinear(MergedLinear):
         dtype: torch.dtype,
         device: torch.device | str,
         quant_method: LinearMethod | None = None,
+        weight_dtype: torch.dtype | None = None,
     ) -> None:
         self.head_size = head_size
         self.num_heads = num_heads
@@ -246,4 +262,5 @@ class QKVLinear(MergedLinear):
             dtype=dtype,
             device=device,
             quant_method=quant_method,
+            weight_dtype=weight_dtype,
         )

@@ -18,7 +18,12 @@ from engine.core.interfaces import AttentionBackend, FusedOps
 
 @dataclass
 class ModelInitContext:
-    """Everything a model needs besides its HF config to build its layers."""
+    """Everything a model needs besides its HF config to build its layers.
+
+    ``dtype`` is what activations are computed in; ``weight_dtype`` what unquantized
+    linear, embedding and LM-head matrices are stored in (None: ``dtype``). They differ
+    where a platform computes a narrow checkpoint in float32 (bf16 weights on a CPU
+    without bf16 arithmetic); norms and rotary tables follow the activations."""
 
     dtype: torch.dtype
     device: torch.device
@@ -26,6 +31,13 @@ class ModelInitContext:
     quant_config: Any = None  # a QuantMethod (or its config) once quantized models land
     fused_ops: FusedOps | None = None  # the platform's norm/act/rotary kernels
     parallel_config: Any = None  # tensor / pipeline parallel rank and sizes, later
+    weight_dtype: torch.dtype | None = None
+
+    @property
+    def matrix_dtypes(self) -> dict[str, torch.dtype]:
+        """Keyword arguments of the layers that hold a weight matrix: the activation
+        dtype and the matrix's storage dtype."""
+        return {"dtype": self.dtype, "weight_dtype": self.weight_dtype or self.dtype}
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-        common = {"dtype": ctx.dtype, "device": ctx.device}
+        common = {**ctx.matrix_dtypes, "device": ctx.device}
         self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common)
         self.down_proj = ReplicatedLinear(inter, hidden, bias=opts.mlp_bias, **common)
         self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_ops, ctx.dtype)
@@ -101,7 +101,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_size = opts.head_size
-        common = {"dtype": ctx.dtype, "device": ctx.device}
+        common = {**ctx.matrix_dtypes, "device": ctx.device}
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size,
             self.head_size,
@@ -114,9 +114,9 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias, **common
         )
         if opts.qk_norm:
-            fused = ctx.fused_ops
-            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
-            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **common, fused_ops=fused)
+            norm = {"dtype": ctx.dtype, "device": ctx.device, "fused_ops": ctx.fused_ops}
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
@@ -185,7 +185,8 @@ class LlamaModel(nn.Module):
         common = {"dtype": ctx.dtype, "device": ctx.device}
         fused = {"fused_ops": ctx.fused_ops}
         self.embed_tokens = VocabEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, **common, **fused
+            hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
+            device=ctx.device, **fused,
         )
         rotary_emb = RotaryEmbedding(
             opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
@@ -227,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_size = self.opts.head_size
         self.model = LlamaModel(hf_config, ctx, self.opts)
         self.lm_head = LMHead(
-            hf_config.vocab_size, hf_config.hidden_size, dtype=ctx.dtype, device=ctx.device
+            hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes, device=ctx.device
         )
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

@@ -1,6 +1,10 @@
 """Paged attention on the CPU: the plugin's C kernel for every query token, torch ops
 (SDPA and index_select gathers) wherever the C kernel is unavailable.
 
+The cache holds the model dtype; queries may be wider (float32 activations over a bf16
+cache, on CPUs without bf16 arithmetic): keys and values are rounded into the cache
+and widened as they are read.
+
 Cache layout (one tensor per layer)::
 
     kv_cache[0 | 1, block, kv_head, block_size * head_size]   # 0 = K, 1 = V
@@ -289,7 +293,7 @@ class CPUAttentionImpl(AttentionImpl):
         num_decodes = metadata.num_decodes
         decode_only = metadata.decode_rows is None and num_decodes == query.shape[0]
         window = self.spec.sliding_window
-        if self.kernels is not None and query.dtype == key_cache.dtype:
+        if self.kernels is not None:
             if decode_only:
                 return self._kernel(query, key_cache, value_cache, metadata.decode_seq_lens,
                                     metadata.decode_block_tables)
@@ -354,7 +358,7 @@ class CPUAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         md: CPUAttentionMetadata,
     ) -> None:
-        if self.kernels is not None and key.dtype == key_cache.dtype:
+        if self.kernels is not None:
             self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache)
             return
         where = md.write_index()
@@ -393,8 +397,8 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         spec = self.spec
         plan = md.decode_plan(spec.sliding_window)
-        keys = self._gather_keys(key_cache, plan)  # [Rd, Hkv, L, D]
-        values = self._gather_values(value_cache, plan)
+        keys = self._gather_keys(key_cache, plan).to(query.dtype)  # [Rd, Hkv, L, D]
+        values = self._gather_values(value_cache, plan).to(query.dtype)
         q = query.view(-1, spec.num_kv_heads, self.group, spec.head_size)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.reshape(-1, spec.num_heads, spec.head_size)
@@ -411,8 +415,8 @@ class CPUAttentionImpl(AttentionImpl):
         # [Hkv, group, L, D] as a stride-0 view: no copy, and unlike a broadcast batch
         # dim it keeps SDPA on its fused kernel instead of the score-materializing one.
         shape = (spec.num_kv_heads, self.group, -1, spec.head_size)
-        keys = self._gather_keys(key_cache, plan).unsqueeze(1).expand(shape)
-        values = self._gather_values(value_cache, plan).unsqueeze(1).expand(shape)
+        keys = self._gather_keys(key_cache, plan).to(query.dtype).unsqueeze(1).expand(shape)
+        values = self._gather_values(value_cache, plan).to(query.dtype).unsqueeze(1).expand(shape)
         q = query.view(q_len, spec.num_kv_heads, self.group, spec.head_size).permute(1, 2, 0, 3)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_size)

@@ -1,10 +1,12 @@
 """The CPU plugin's C kernels as typed Python calls (ctypes over the built library).
 
-:func:`load_kernels` builds the library on first use (:mod:`.kernel_build`) and wraps
-it in :class:`CPUKernels`: the paged decode attention the CPU attention backend calls,
-and the platform's :class:`~engine.core.interfaces.FusedOps` (norm, activation, rotary,
-embedding, argmax). Without a compiler (or with ``ENGINE_CPU_NATIVE_KERNELS=0``) it
-returns None and callers keep their torch-op paths. The wrappers check what the C code
+:func:`load_kernels` builds the library of this CPU's ISA level on first use
+(:mod:`.kernel_build`; ``load_kernels(level)`` any other level the CPU runs, which is
+how tests cover every level) and wraps it in :class:`CPUKernels`: the paged attention
+the CPU attention backend calls, the GEMMs of :mod:`.gemm`, and the platform's
+:class:`~engine.core.interfaces.FusedOps` (norm, activation, rotary, embedding,
+argmax). Every level's library has the same entry points. Without a compiler (or with
+``ENGINE_CPU_NATIVE_KERNELS=0``) it returns None and callers keep their torch-op paths. The wrappers check what the C code
 cannot (dtypes, layouts, strides) and raise ValueError rather than let it read out of
 bounds; what depends on values (ids, positions, slots) the C code checks itself, so a
 replayed forward graph (:mod:`.graphs`) is checked too.
@@ -40,7 +42,7 @@ MAX_HEAD_SIZE = 512  # the C code's bounds
 MAX_GROUP = 64
 MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
 MAX_SPLITS = 64  # key ranges per (request, KV head)
-GEMV_MAX_ROWS = 4  # rows of x gemv_bf16 takes (GEMV_ROWS_MAX in gemm_bf16.c)
+_FEATURE_BF16_DOT, _FEATURE_AMX = 1, 2  # kernel_features() bits (csrc/runtime.c)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LOCK = threading.Lock()
 
@@ -125,30 +127,39 @@ class NativeOp:
 
 
 class CPUKernels(FusedOps):
-    """Typed entry points of the compiled library (also the platform's FusedOps)."""
+    """Typed entry points of one compiled library (also the platform's FusedOps)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        self._lib = lib  # kept: the bound functions live as long as the library
         graph_id = _bind(lib.graph_kernel_id, [ctypes.c_char_p])
 
         def _bind_op(fn: ctypes._CFuncPtr, argtypes: list) -> NativeOp:
             return NativeOp(fn, argtypes, graph_id(fn.__name__.encode()))
 
+        isa_level = lib.isa_level
+        isa_level.restype, isa_level.argtypes = ctypes.c_char_p, []
+        self.level: str = isa_level().decode()
+        self.vector_lanes: int = _bind(lib.vector_lanes, [])()
+        features = _bind(lib.kernel_features, [])()
+        self.has_bf16_dot = bool(features & _FEATURE_BF16_DOT)
+        self.has_amx = bool(features & _FEATURE_AMX)
         self.graph_op_words = _bind(lib.graph_op_words, [])()
         self.replay_graph = _bind(lib.replay_forward_graph, [_ptr, _i64, ctypes.POINTER(_i64)])
         self._key_splits = _bind(lib.decode_key_splits, [_i32, _ptr, _i32, _i32])
+        self._pin_threads = _bind(lib.pin_threads, [ctypes.POINTER(_i32), _i32])
         self._decode = _bind_op(lib.paged_decode_attention, [
             _ptr, _i64, _i64,  # q, q_req_stride, q_head_stride
             _ptr, _ptr,  # k_cache, v_cache
             _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
             _ptr, _i32, _i32, _i32, _i32,  # out, num_reqs, num_heads, num_kv_heads, head_size
-            _i32, _i32, _f32, _i32, _f32,  # block_size, dtype, scale, window, soft_cap
-            _i32,  # num_splits
+            _i32, _i32, _f32, _i32, _f32,  # block_size, cache dtype, scale, window, soft_cap
+            _i32, _i32,  # num_splits, query dtype
         ])
         self._write_kv = _bind_op(lib.write_kv, [
             _ptr, _i64, _i64, _ptr, _i64, _i64,  # key + strides, value + strides
             _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
-            _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtype
+            _i32, _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtypes
         ])
         self._rms_norm = _bind_op(lib.rms_norm, [
             _ptr, _i64, _i64, _ptr, _i64,  # x, token stride, heads, residual, its stride
@@ -160,24 +171,33 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, positions, cos|sin table
             _i64, _i64, _i64, _i64, _i32,  # rows, heads, head size, table rows, dtype
         ])
-        self._embedding = _bind_op(lib.embedding_rows, [_ptr, _i64, _ptr, _i64, _i64, _ptr])
-        self._pack_bf16 = _bind_op(lib.pack_bf16_vnni, [_ptr, _i64, _i64, _ptr])
-        self._gemm_bf16 = _bind_op(lib.gemm_bf16_vnni, [
+        self._embedding = _bind_op(lib.embedding_rows, [
+            _ptr, _i64, _ptr, _i64, _i64, _i32, _ptr, _i32,  # ids, n, table, vocab, hidden, dt
+        ])
+        self._gemm_pack = _bind_op(lib.gemm_pack, [_ptr, _i64, _i64, _i32, _i32, _ptr])
+        self._gemm_packed = _bind_op(lib.gemm_packed, [
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weight, bias (or NULL)
-            _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
+            _ptr, _i64, _i64, _i64, _i64, _i32, _i32,  # out, its row stride, M, N, K, dtypes
         ])
-        self._gemv_bf16 = _bind_op(lib.gemv_bf16_rows, [
+        self._gemm_plain = _bind_op(lib.gemm_plain, [
             _ptr, _i64, _ptr, _i64, _ptr,  # x, x row stride, weight, weight row stride, bias
-            _ptr, _i64, _i64, _i64, _i64,  # out, out row stride, M, N, K
+            _ptr, _i64, _i64, _i64, _i64, _i32, _i32,  # out, its row stride, M, N, K, dtypes
         ])
-        self.has_bf16_gemm = bool(_bind(lib.gemm_bf16_available, [])())
-        self._bf16_key_pairs = bool(_bind(lib.bf16_key_pairs, [])())
+
+    def __repr__(self) -> str:
+        return f"CPUKernels(level={self.level!r}, path={str(self.path)!r})"
 
     def key_layout(self, dtype: torch.dtype) -> KeyLayout:
         """The K cache layout :meth:`write_kv` writes and the decode kernel reads."""
-        if dtype == torch.bfloat16 and self._bf16_key_pairs:
+        if dtype == torch.bfloat16 and self.has_bf16_dot:
             return KeyLayout.DIM_PAIRS
         return KeyLayout.DIMS_MAJOR
+
+    def pin_threads(self, cpus: list[int]) -> None:
+        """Pin OpenMP thread i of torch's pool to ``cpus[i]`` (OSError when refused)."""
+        array = (_i32 * len(cpus))(*cpus)
+        if self._pin_threads(array, len(cpus)) != 0:
+            raise OSError(f"sched_setaffinity refused to pin the OpenMP threads to CPUs {cpus}")
 
     # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
     def supports(self, dtype: torch.dtype) -> bool:
@@ -200,6 +220,9 @@ class CPUKernels(FusedOps):
                 raise ValueError("3-D rms_norm takes contiguous heads and no residual")
         else:
             (tokens, hidden), heads = x.shape, 1
+        if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+            raise ValueError(f"rms_norm takes x, weight and residual of one dtype, not "
+                             f"{x.dtype} / {weight.dtype}")
         out = torch.empty((tokens * heads, hidden), dtype=x.dtype)
         res_ptr, res_stride = (0, 0) if residual is None else (
             residual.data_ptr(), residual.stride(0))
@@ -235,6 +258,8 @@ class CPUKernels(FusedOps):
     ) -> None:
         """Rotate-half rotary embedding of every head of ``x``, in place (a position
         outside the table: ValueError, nothing rotated)."""
+        if cos_sin_cache.dtype != x.dtype:
+            raise ValueError(f"the rotary table is {cos_sin_cache.dtype}, x {x.dtype}")
         rows, width = x.shape
         status = self._rotary_neox(x.data_ptr(), x.stride(0), positions.data_ptr(),
                                    cos_sin_cache.data_ptr(), rows, width // head_size, head_size,
@@ -244,35 +269,42 @@ class CPUKernels(FusedOps):
                              f"({cos_sin_cache.shape[0]} positions)")
         _check(status, "rotary_neox")
 
-    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``weight[ids]`` for int64 ``ids [T]`` (an id outside the table: ValueError)."""
+    def embedding(
+        self, ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``weight[ids]`` for int64 ``ids [T]``, in ``dtype`` (default: the table's; a
+        bf16 table is widened for float32 activations). An id outside the table:
+        ValueError."""
         if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
             raise ValueError("embedding ids must be a contiguous int64 vector")
         if weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the embedding table must be a contiguous matrix")
+        dtype = weight.dtype if dtype is None else dtype
         vocab, hidden = weight.shape
-        out = torch.empty((ids.shape[0], hidden), dtype=weight.dtype)
-        status = self._embedding(ids.data_ptr(), ids.shape[0], weight.data_ptr(), vocab,
-                                 hidden * weight.element_size(), out.data_ptr())
-        if status != 0:
+        out = torch.empty((ids.shape[0], hidden), dtype=dtype)
+        status = self._embedding(ids.data_ptr(), ids.shape[0], weight.data_ptr(), vocab, hidden,
+                                 DTYPE_CODES[weight.dtype], out.data_ptr(), DTYPE_CODES[dtype])
+        if status == -2:
             raise ValueError(f"a token id is outside the vocabulary of {vocab}")
+        _check(status, "embedding_rows")
         return out
 
     def write_kv(
         self,
-        key: torch.Tensor,  # [T, Hkv, D], the caches' dtype, last dim contiguous
+        key: torch.Tensor,  # [T, Hkv, D], last dim contiguous
         value: torch.Tensor,
         slots: torch.Tensor,  # int64 [T], contiguous; -1: not written
         key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size * D] in key_layout(dtype)
         value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
     ) -> None:
         """Store the step's new K/V rows at their slots (K in :meth:`key_layout`, the
-        layout the decode kernel reads), in one call instead of two indexed stores."""
+        layout the decode kernel reads), rounded to the caches' dtype, in one call
+        instead of two indexed stores."""
         num_tokens, num_kv_heads, head_size = key.shape
         block_size = value_cache.shape[2]
         dtype = key_cache.dtype
-        if key.dtype != dtype or value.dtype != dtype or value_cache.dtype != dtype:
-            raise ValueError("new keys / values must have the caches' dtype")
+        if value_cache.dtype != dtype or value.dtype != key.dtype or key.dtype not in DTYPE_CODES:
+            raise ValueError("keys / values must share a dtype, and so must the two caches")
         if key.stride(2) != 1 or value.stride(2) != 1 or slots.dtype != torch.int64:
             raise ValueError("K/V rows must be contiguous in the head dim and slots int64")
         if tuple(value.shape) != tuple(key.shape) or not slots.is_contiguous():
@@ -282,70 +314,75 @@ class CPUKernels(FusedOps):
                                 value.data_ptr(), value.stride(0), value.stride(1),
                                 slots.data_ptr(), num_tokens, key_cache.data_ptr(),
                                 value_cache.data_ptr(), value_cache.shape[0], num_kv_heads,
-                                head_size, block_size, DTYPE_CODES[dtype])
+                                head_size, block_size, DTYPE_CODES[dtype],
+                                DTYPE_CODES[key.dtype])
         if status != 0:
             raise ValueError(f"a slot is outside the cache of {value_cache.shape[0]} blocks of "
                              f"{block_size} (or below -1)")
 
-    # -- bf16 GEMM (CPUs with AVX512-BF16) -------------------------------------------------
+    # -- GEMMs (csrc/gemm.c) ---------------------------------------------------------------
     @staticmethod
-    def bf16_gemm_refusal(out_features: int, in_features: int) -> str | None:
-        """None if :meth:`pack_bf16` / :meth:`gemm_bf16` take a weight of this shape."""
-        if out_features % 16 or in_features % 2:
-            return (f"a [{out_features}, {in_features}] weight: the bf16 GEMM needs out "
-                    "features in multiples of 16 and an even number of in features")
+    def gemm_refusal(out_features: int, in_features: int) -> str | None:
+        """None if :meth:`pack` / :meth:`gemm` take a weight of this shape."""
+        if out_features % 16 or out_features <= 0 or in_features <= 0:
+            return (f"a [{out_features}, {in_features}] weight: the packed GEMM needs out "
+                    "features in multiples of 16")
         return None
 
-    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` (bf16) in the GEMM's panel layout: a flat tensor of N x K
-        values (see csrc/gemm_bf16.c), not a matrix."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-            raise ValueError(f"pack_bf16 takes a 2-D bfloat16 weight, not {weight.dtype}")
+    def pack(self, weight: torch.Tensor, activation_dtype: torch.dtype) -> torch.Tensor:
+        """``weight [N, K]`` in the GEMM's panel layout for activations of
+        ``activation_dtype``: a flat tensor of N x K values in the weight's own dtype (see
+        csrc/gemm.c), not a matrix."""
+        if weight.dim() != 2 or weight.dtype not in DTYPE_CODES:
+            raise ValueError(f"pack takes a 2-D float weight, not {weight.dtype} {weight.dim()}-D")
         weight = weight.contiguous()
-        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        packed = torch.empty(weight.numel(), dtype=weight.dtype)
         n, k = weight.shape
-        _check(self._pack_bf16(weight.data_ptr(), n, k, packed.data_ptr()), "pack_bf16")
+        _check(self._gemm_pack(weight.data_ptr(), n, k, DTYPE_CODES[weight.dtype],
+                               DTYPE_CODES[activation_dtype], packed.data_ptr()), "gemm_pack")
         return packed
 
-    def gemm_bf16(
+    def gemm(
         self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x [..., K] @ W.T (+ bias)`` with ``packed`` from :meth:`pack_bf16`."""
+        """``x [..., K] @ W.T (+ bias)`` in x's dtype, ``packed`` from :meth:`pack` for
+        that dtype."""
         k = x.shape[-1]
-        if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or not k:
-            raise ValueError(f"gemm_bf16 takes bfloat16 inputs, not {x.dtype}")
+        if x.dtype not in DTYPE_CODES or packed.dtype not in DTYPE_CODES or not k:
+            raise ValueError(f"gemm takes float inputs, not {x.dtype} / {packed.dtype}")
         n, leftover = divmod(packed.numel(), k)
         if leftover:
             raise ValueError(f"a packed weight of {packed.numel()} values has no rows of {k}")
-        bias_ptr = _bias_pointer(bias, n)
+        bias_ptr = _bias_pointer(bias, n, x.dtype)
         rows, ldx = _matrix_rows(x)
         m = rows.shape[0]
-        out = torch.empty((m, n), dtype=torch.bfloat16)
+        out = torch.empty((m, n), dtype=x.dtype)
         if m:
-            _check(self._gemm_bf16(rows.data_ptr(), ldx, packed.data_ptr(), bias_ptr,
-                                   out.data_ptr(), n, m, n, k), "gemm_bf16")
+            _check(self._gemm_packed(rows.data_ptr(), ldx, packed.data_ptr(), bias_ptr,
+                                     out.data_ptr(), n, m, n, k, DTYPE_CODES[x.dtype],
+                                     DTYPE_CODES[packed.dtype]), "gemm_packed")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
-    def gemv_bf16(
+    def gemm_plain(
         self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x [..., K] @ weight.T (+ bias)`` for a plain ``[N, K]`` bf16 weight and at most
-        GEMV_MAX_ROWS rows of x (decode batch sizes): whole weight rows streamed once."""
+        """``x [..., K] @ weight.T (+ bias)`` in x's dtype for a plain row-major ``[N, K]``
+        weight used as it is (one shared with the embedding)."""
         k = x.shape[-1]
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not k:
-            raise ValueError(f"gemv_bf16 takes bfloat16 inputs, not {x.dtype} / {weight.dtype}")
+        if x.dtype not in DTYPE_CODES or weight.dtype not in DTYPE_CODES or not k:
+            raise ValueError(f"gemm_plain takes float inputs, not {x.dtype} / {weight.dtype}")
         if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
             raise ValueError(f"weight {tuple(weight.shape)} is not a row-major [N, {k}]")
         n = weight.shape[0]
-        bias_ptr = _bias_pointer(bias, n)
+        bias_ptr = _bias_pointer(bias, n, x.dtype)
         rows, ldx = _matrix_rows(x)
         m = rows.shape[0]
-        if not 1 <= m <= GEMV_MAX_ROWS:
-            raise ValueError(f"gemv_bf16 takes 1 to {GEMV_MAX_ROWS} rows, not {m}")
-        out = torch.empty((m, n), dtype=torch.bfloat16)
+        out = torch.empty((m, n), dtype=x.dtype)
         ldw = weight.stride(0) if n > 1 else k
-        _check(self._gemv_bf16(rows.data_ptr(), ldx, weight.data_ptr(), ldw, bias_ptr,
-                               out.data_ptr(), n, m, n, k), "gemv_bf16")
+        if m:
+            _check(self._gemm_plain(rows.data_ptr(), ldx, weight.data_ptr(), ldw, bias_ptr,
+                                    out.data_ptr(), n, m, n, k, DTYPE_CODES[x.dtype],
+                                    DTYPE_CODES[weight.dtype]), "gemm_plain")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def decode_key_splits(
@@ -384,15 +421,16 @@ class CPUKernels(FusedOps):
         soft_cap: float | None = None,
         num_splits: int | None = None,
     ) -> torch.Tensor:
-        """Decode attention straight from the paged cache; ``[R, H, D]`` in the cache dtype.
+        """Attention straight from the paged cache; ``[R, H, D]`` in the query's dtype
+        (which may be wider than the cache's: float32 activations over a bf16 cache).
 
         ``num_splits``: key ranges per (request, KV head), merged afterwards; None lets
         the kernel pick (:meth:`decode_key_splits`), so a replayed graph picks per step."""
         num_reqs, num_heads, head_size = query.shape
         num_blocks, num_kv_heads, block_size, _ = value_cache.shape
         dtype = key_cache.dtype
-        if query.dtype != dtype or value_cache.dtype != dtype or dtype not in DTYPE_CODES:
-            raise ValueError(f"query {query.dtype} / cache {dtype}: one supported dtype needed")
+        if value_cache.dtype != dtype or dtype not in DTYPE_CODES or query.dtype not in DTYPE_CODES:
+            raise ValueError(f"query {query.dtype} / cache {dtype}: supported dtypes needed")
         if value_cache.shape[3] != head_size:
             raise ValueError(f"the value cache holds head size {value_cache.shape[3]}, "
                              f"the query {head_size}")
@@ -407,13 +445,14 @@ class CPUKernels(FusedOps):
             num_splits = 0  # the kernel's choice
         elif not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-        out = torch.empty((num_reqs, num_heads, head_size), dtype=dtype)
+        out = torch.empty((num_reqs, num_heads, head_size), dtype=query.dtype)
         status = self._decode(
             query.data_ptr(), query.stride(0), query.stride(1),
             key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_size,
             block_size, DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0, num_splits,
+            DTYPE_CODES[query.dtype],
         )
         if status != 0:
             raise ValueError(
@@ -432,12 +471,13 @@ def _matrix_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows, rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
 
 
-def _bias_pointer(bias: torch.Tensor | None, n: int) -> int | None:
-    """The bf16 bias' address for C (None: no bias), once it is known to hold ``n`` values."""
+def _bias_pointer(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> int | None:
+    """The bias' address for C (None: no bias), once it is known to hold ``n`` values of
+    the activations' ``dtype``."""
     if bias is None:
         return None
-    if bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous():
-        raise ValueError(f"bias must be a contiguous bfloat16 [{n}]")
+    if bias.dtype != dtype or bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous {dtype} [{n}]")
     return bias.data_ptr()
 
 
@@ -471,19 +511,35 @@ def native_kernels_enabled() -> bool:
     )
 
 
-@cache
-def load_kernels() -> CPUKernels | None:
-    """The compiled kernels, building them on first use; None when they cannot be had."""
+def load_kernels(level: str | None = None) -> CPUKernels | None:
+    """The compiled kernels of ``level`` (default: :func:`kernel_build.select_level`, this
+    CPU's best or ``$ENGINE_CPU_ISA``), building them on first use; None when they cannot
+    be had. A level this CPU cannot run is a ValueError."""
     if not native_kernels_enabled():
         return None
+    name = kernel_build.select_level().name if level is None else level
+    if name not in kernel_build.LEVELS:
+        raise ValueError(f"unknown ISA level {name!r}; levels: {', '.join(kernel_build.LEVELS)}")
+    if kernel_build.LEVELS[name] not in kernel_build.runnable_levels():
+        raise ValueError(f"this CPU cannot run the {name} kernels")
+    return _load_level(name)
+
+
+@cache
+def _load_level(name: str) -> CPUKernels | None:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         logger.warning("no C compiler (%s): the CPU plugin uses its torch-op kernels", compiler)
         return None
     try:
         with _LOCK:
-            path = kernel_build.built_library(compiler)
+            path = kernel_build.built_library(compiler, kernel_build.LEVELS[name])
             return CPUKernels(ctypes.CDLL(str(path)), path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)
         return None
+
+
+def clear_kernel_cache() -> None:
+    """Forget loaded libraries (after ``$ENGINE_CPU_ISA`` changed, in tests)."""
+    _load_level.cache_clear()

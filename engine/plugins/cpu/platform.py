@@ -91,23 +91,6 @@ def free_memory_bytes() -> int:
     return available
 
 
-def usable_core_count() -> int:
-    """Physical cores among the CPUs this process may run on (SMT siblings count once)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
-    cores = set()
-    for cpu in cpus:
-        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-        package = _read_int(topology + "physical_package_id")
-        core = _read_int(topology + "core_id")
-        if package is None or core is None:  # no topology exposed: count CPUs
-            return len(cpus)
-        cores.add((package, core))
-    return len(cores) or 1
-
-
 class CPUPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -157,29 +140,73 @@ class CPUPlatform(Platform):
             )
         return kv_bytes
 
-    def init_worker(self) -> None:
-        """Keep a forward's large freed activations in the heap (see host_memory)."""
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """float32 for bf16 / fp16 weights unless the kernels multiply that dtype natively
+        (bf16 on AVX512-BF16 and AMX levels; fp16 on none): the weights stay as stored,
+        half the bytes a decode step streams, and the kernels widen them as they read.
+        Emulated bf16 arithmetic would be several times slower than float32 FMAs."""
+        import torch
+
+        from engine.plugins.cpu.native import load_kernels
+
+        if weight_dtype == torch.float32:
+            return weight_dtype
+        kernels = load_kernels()
+        if weight_dtype == torch.bfloat16 and kernels is not None and kernels.has_bf16_dot:
+            return weight_dtype
+        name = str(weight_dtype).removeprefix("torch.")
+        where = f"{kernels.level} kernels" if kernels is not None else "no C kernels"
+        storage = ("they stay " + name + ", widened inside the kernels" if kernels is not None
+                   else "widened to float32 at load")
+        logger.info(
+            "%s checkpoint on a CPU without %s dot products (%s): weights %s, activations "
+            "float32 (--dtype %s for %s activations, --dtype float32 for float32 weights)",
+            name, name, where, storage, name, name,
+        )
+        return torch.float32
+
+    @classmethod
+    def prepare_worker_process(cls) -> None:
+        """OpenMP's wait policy, which libgomp reads once when torch loads it (see
+        :mod:`engine.plugins.cpu.threads`)."""
+        from engine.plugins.cpu.threads import prepare_openmp_environment
+
+        prepare_openmp_environment()
+
+    def init_worker(self, num_threads: int | None = None) -> None:
+        """Threads, their pinning and their wait policy (the reasoning is in
+        :mod:`engine.plugins.cpu.threads`), and the heap settings that keep a forward's
+        large freed activations (:mod:`engine.plugins.cpu.host_memory`)."""
         from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
+        from engine.plugins.cpu.native import load_kernels
+        from engine.plugins.cpu.threads import plan_threads, prepare_openmp_environment
 
         keep_freed_blocks_in_heap()
+        if not prepare_openmp_environment() and "GOMP_SPINCOUNT" not in os.environ:
+            logger.debug("OpenMP was loaded before the worker was prepared: its wait policy "
+                         "stays libgomp's default")
+        plan = plan_threads(num_threads)
+        self.set_num_threads(plan.num_threads)
+        kernels = load_kernels()
+        if plan.pin_cpus is not None and kernels is not None:
+            try:
+                kernels.pin_threads(list(plan.pin_cpus))
+            except OSError as exc:
+                logger.warning("%s; threads stay unpinned", exc)
+        logger.info("CPU worker: %s; %s", plan.reason,
+                    f"{kernels.level} kernels" if kernels is not None else "no C kernels")
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """``num_threads`` intra-op threads; None: one per physical core this process may
-        run on.
+        run on (torch's own default counts every core of the machine, which
+        oversubscribes a process pinned to fewer CPUs)."""
+        from engine.plugins.cpu.threads import plan_threads
 
-        torch's own default counts every core of the machine, which oversubscribes a
-        process pinned to fewer CPUs (taskset, cgroup cpusets): each op's parallel region
-        then waits for a thread the OS cannot run. SMT siblings share one core's GEMM
-        units, so they get no thread of their own.
-        """
-        if num_threads is None:
-            num_threads = usable_core_count()
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        threads = plan_threads(num_threads).num_threads
         import torch
 
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def attention_backends(self) -> list[type[AttentionBackend]]:
         """The CPU backend first; the portable Triton backend too when triton imports."""
@@ -217,6 +244,25 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu.graphs import CPUGraphCapturer
 
         return CPUGraphCapturer(kernels)
+
+    def kernel_info(self) -> dict[str, Any]:
+        """The ISA level the C kernels load (and every level this CPU runs), the GEMM
+        order; builds nothing, so ``engine plugins`` stays fast."""
+        from engine.plugins.cpu import kernel_build
+        from engine.plugins.cpu.gemm import gemm_preference
+        from engine.plugins.cpu.native import native_kernels_enabled
+
+        info: dict[str, Any] = {"isa_level": None}
+        try:
+            info["isa_level"] = kernel_build.select_level().name
+            info["isa_levels_runnable"] = [lv.name for lv in kernel_build.runnable_levels()]
+            info["gemm_order"] = [k.name for k in gemm_preference()]
+        except ValueError as exc:  # a bad ENGINE_CPU_ISA / ENGINE_CPU_GEMM
+            info["error"] = str(exc)
+        if not native_kernels_enabled():
+            info["isa_level"] = None
+            info["error"] = "C kernels disabled (ENGINE_CPU_NATIVE_KERNELS=0)"
+        return info
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import GlooCommunicator

@@ -27,9 +27,11 @@ PROMPT = "The quick brown fox jumps over"
 
 @pytest.fixture(scope="module")
 def server(start_server):
+    # Eager steps (no forward graphs): the tiny model's graph replays finish 100 tokens in
+    # ~30 ms, faster than the disconnect and SIGTERM tests can interrupt a request.
     return start_server("--api-key", API_KEY, "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
                         "--max-request-body-bytes", str(BODY_LIMIT), "--max-num-seqs", "128",
-                        "--timeout-graceful-shutdown", "0")
+                        "--timeout-graceful-shutdown", "0", "--enforce-eager")
 
 
 @pytest.fixture(scope="module")
@@ -430,19 +432,20 @@ def test_non_streaming_client_disconnect_aborts(server):
     url = server.url + "/metrics"
     aborted_before = _metric(httpx.get(url).text, "engine:request_success_total",
                              finished_reason="abort")
-    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 8,
+    # 32 samples x 100 tokens take ~100 ms of eager steps here: 10x the client's patience.
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 32,
             "temperature": 1.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05),
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.01),
                    headers={"Authorization": f"Bearer {API_KEY}"})
     deadline = time.monotonic() + 10
     while True:
         text = httpx.get(url).text
         aborted = _metric(text, "engine:request_success_total", finished_reason="abort")
-        if aborted == aborted_before + 8 or time.monotonic() > deadline:
+        if aborted == aborted_before + 32 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert aborted == aborted_before + 8  # all 8 samples aborted, none ran to max_tokens
+    assert aborted == aborted_before + 32  # every sample aborted, none ran to max_tokens
     assert _metric(text, "engine:num_requests_running") == 0
     assert _metric(text, "engine:kv_cache_usage_perc") == 0
 
@@ -470,7 +473,7 @@ def test_sigterm_ends_in_flight_stream_cleanly(server):
     """Runs last (it stops the server). With a 0 s grace period, SIGTERM aborts the
     in-flight stream through the engine: it still ends with finish chunks and [DONE], and
     the server and its engine core exit."""
-    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 4,
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 32,
             "temperature": 0, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
@@ -483,7 +486,7 @@ def test_sigterm_ends_in_flight_stream_cleanly(server):
     assert data[-1] == "[DONE]"
     finishes = {c["index"]: c["finish_reason"] for chunk in data[:-1]
                 for c in json.loads(chunk)["choices"] if c["finish_reason"]}
-    assert finishes == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+    assert finishes == {i: "abort" for i in range(32)}
     server.proc.wait(30)
     server.assert_no_orphans()
 

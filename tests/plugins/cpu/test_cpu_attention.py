@@ -18,7 +18,8 @@ import torch
 from engine.core.interfaces import AttentionBatch, AttentionLayerSpec
 from engine.plugins.cpu import attention as cpu_attention
 from engine.plugins.cpu.attention import CPUAttentionBackend
-from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
+from engine.plugins.cpu.native import CPUKernels, KeyLayout
+from tests.plugins.cpu.conftest import LEVELS, kernels_of
 
 CPU = torch.device("cpu")
 
@@ -75,8 +76,12 @@ def make_case(
     dtype: torch.dtype,
     seed: int = 0,
     skip_rows: tuple[int, ...] = (),
+    cache_dtype: torch.dtype | None = None,
 ) -> Case:
+    """``dtype``: the queries' and new K/V rows'; ``cache_dtype`` (default the same): the
+    cache's, which every K/V value is exact in (float32 activations over a bf16 cache)."""
     gen = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
     nblocks = [math.ceil(s / block_size) for _, s in requests]
     total_blocks = sum(nblocks) + 2
     perm = torch.randperm(total_blocks, generator=gen)
@@ -84,7 +89,7 @@ def make_case(
         total_blocks, block_size, num_kv_heads, head_size
     )
     # Unused slots hold finite garbage: a masked key must not contribute.
-    kv_cache = (torch.randn(backend_shape, generator=gen) * 100).to(dtype)
+    kv_cache = (torch.randn(backend_shape, generator=gen) * 100).to(cache_dtype)
     width = max(nblocks)
     block_tables = torch.zeros(len(requests), width, dtype=torch.int32)
     queries, keys, values, slot_mapping, hist_k, hist_v, slots_all = [], [], [], [], [], [], []
@@ -96,17 +101,17 @@ def make_case(
         block_tables[r, : nblocks[r]] = blocks.to(torch.int32)
         pos = torch.arange(seq_len)
         slots = blocks[pos // block_size] * block_size + pos % block_size
-        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(cache_dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(cache_dtype)
         ctx = seq_len - q_len
         blk, off = slots[:ctx] // block_size, slots[:ctx] % block_size
-        layout = key_layout(num_heads, num_kv_heads, head_size, dtype)
+        layout = key_layout(num_heads, num_kv_heads, head_size, cache_dtype)
         key_cache, value_cache = cache_views(kv_cache, block_size, head_size, layout)
         key_cache[blk, :, off] = k[:ctx].unflatten(-1, (-1, layout.pack))
         value_cache[blk, :, off] = v[:ctx]
         queries.append(torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype))
-        keys.append(k[ctx:])
-        values.append(v[ctx:])
+        keys.append(k[ctx:].to(dtype))
+        values.append(v[ctx:].to(dtype))
         slot_mapping.append(slots[ctx:])
         hist_k.append(k)
         hist_v.append(v)
@@ -163,15 +168,16 @@ def reference(
     return torch.cat(outs)
 
 
-@pytest.fixture(autouse=True, params=["c_kernel", "torch_ops"])
+@pytest.fixture(autouse=True, params=[f"c_kernel-{level}" for level in LEVELS] + ["torch_ops"])
 def decode_path(request, monkeypatch) -> str:
-    """Every test runs twice: through the C kernel (where it serves the layer: every
-    token, decodes and prefill chunks) and through the torch-op path the plugin falls
-    back to without a compiler."""
+    """Every test runs through the C kernel of every ISA level this CPU runs (where it
+    serves the layer: every token, decodes and prefill chunks) and through the torch-op
+    path the plugin falls back to without a compiler."""
     if request.param == "torch_ops":
         monkeypatch.setattr(cpu_attention, "load_kernels", lambda: None)
-    elif load_kernels() is None:
-        pytest.skip("the C kernels could not be built here")
+    else:
+        kernels = kernels_of(request.param.removeprefix("c_kernel-"))
+        monkeypatch.setattr(cpu_attention, "load_kernels", lambda: kernels)
     return request.param
 
 
@@ -213,6 +219,22 @@ def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_size, block
     assert out.shape == ref.shape and out.dtype == dtype
     atol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_float32_activations_over_a_narrow_cache(cache_dtype, kernel_max_context, monkeypatch):
+    """A bf16 / fp16 checkpoint computed in float32: new K/V rows are rounded into the
+    cache, every path widens what it reads, and the output stays float32."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    case = make_case(MIXED, 8, 2, 32, 8, torch.float32, seed=4, cache_dtype=cache_dtype)
+    spec = AttentionLayerSpec(8, 32, 2, 32**-0.5)
+    out = run_backend(case, spec, 8)
+    ref = reference(case, MIXED, 8, 32**-0.5, None)
+    assert out.dtype == torch.float32
+    # the values are exact in the cache; a float32 query scored with vdpbf16ps is rounded
+    uses_pairs = key_layout(8, 2, 32, cache_dtype).pack == 2
+    torch.testing.assert_close(out.double(), ref, atol=3e-2 if uses_pairs else 1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

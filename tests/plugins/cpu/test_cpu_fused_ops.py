@@ -25,8 +25,8 @@ def ops(kernels):
     return kernels  # the platform's FusedOps are the C kernels
 
 
-def test_the_cpu_platform_offers_them(ops):
-    assert CPUPlatform().fused_ops() is ops
+def test_the_cpu_platform_offers_them(engine_kernels, ops):
+    assert CPUPlatform().fused_ops() is engine_kernels
     assert all(ops.supports(d) for d in DTYPES) and not ops.supports(torch.int32)
 
 
@@ -115,6 +115,9 @@ def test_embedding_lookup_matches_torch_and_refuses_unknown_ids(ops, dtype):
     table = torch.randn(50, 24, generator=torch.Generator().manual_seed(1)).to(dtype)
     ids = torch.tensor([0, 49, 7, 7])
     assert torch.equal(ops.embedding(ids, table), F.embedding(ids, table))
+    for wider in DTYPES:  # a narrow table looked up for wider activations (and back)
+        got = ops.embedding(ids, table, wider)
+        assert got.dtype == wider and torch.equal(got, F.embedding(ids, table).to(wider))
     for bad in (50, -1):
         with pytest.raises(ValueError, match="outside the vocabulary of 50"):
             ops.embedding(torch.tensor([1, bad]), table)

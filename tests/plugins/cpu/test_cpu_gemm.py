@@ -1,5 +1,5 @@
-"""The CPU platform's GEMMs (the AVX512-BF16 C kernel, prepacked oneDNN) against a
-float64 reference, and the packing pass that hands them the model's unquantized linears."""
+"""The CPU platform's GEMMs (the plugin's C GEMM on every ISA level, prepacked oneDNN)
+against a float64 reference, and the packing pass that hands them the model's linears."""
 
 from __future__ import annotations
 
@@ -15,152 +15,209 @@ from engine.model_executor.layers.linear import (
     pack_dense_weights,
 )
 from engine.plugins.cpu import gemm as cpu_gemm
-from engine.plugins.cpu.gemm import AVX512BF16Gemm, AVX512BF16PlainGemv, OneDNNPackedGemm
+from engine.plugins.cpu.gemm import CPUPackedGemm, CPUPlainGemm, OneDNNPackedGemm
 from engine.plugins.cpu.platform import CPUPlatform
 
 CPU = torch.device("cpu")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (activations, weights): what the engine runs -- one dtype, or narrow weights computed in
+# float32 (a bf16 / fp16 checkpoint on a CPU without native arithmetic for it).
+DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16), (F32, F16)]
+_PAIR_IDS = [f"{str(a)[6:]}-x-{str(w)[6:]}-w" for a, w in DTYPE_PAIRS]
+_UNIT = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}  # half an ulp, relative
 
 
-def _spec(dtype: torch.dtype) -> DenseLayerSpec:
-    return DenseLayerSpec(in_features=8, out_features=4, dtype=dtype, device=CPU)
+def _spec(dtype: torch.dtype, act: torch.dtype | None = None, **kw) -> DenseLayerSpec:
+    return DenseLayerSpec(kw.get("in_features", 8), kw.get("out_features", 16), dtype,
+                          kw.get("device", CPU), activation_dtype=act)
 
 
-def test_cpu_platform_prefers_its_own_bf16_gemm_then_onednn(monkeypatch):
+def _reference(x, weight, bias):
+    """float64 product of the operands' exact values, and how far an output in x's dtype
+    may be from it: one rounding to that dtype plus float32 sums over K terms."""
+    ref = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    magnitude = x.double().abs() @ weight.double().abs().T
+    k = x.shape[-1]
+    tol = ref.abs() * _UNIT[x.dtype] * 1.01 + magnitude * k * 2.0**-23 + 1e-6
+    return ref, tol
+
+
+def _assert_close(y, x, weight, bias=None):
+    ref, tol = _reference(x, weight, bias)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    bad = (y.double() - ref).abs() > tol
+    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} values off; worst " \
+        f"{float(((y.double() - ref).abs() - tol).max()):.3g} over the tolerance"
+
+
+def _operands(gen, m, n, k, act, wdt, with_bias):
+    weight = torch.randn(n, k, generator=gen).to(wdt)
+    bias = torch.randn(n, generator=gen).to(act) if with_bias else None
+    x = torch.randn(m, k, generator=gen).to(act)
+    return x, weight, bias
+
+
+# -- kernel order -------------------------------------------------------------------------
+
+def _fake_cpu(monkeypatch, flags, amx_kernels=False):
+    class Kernels:
+        has_amx = amx_kernels
+
+    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_gemm, "load_kernels", lambda: Kernels())
+
+
+def test_the_plugins_gemm_comes_first_then_onednn(monkeypatch):
     monkeypatch.delenv(cpu_gemm.GEMM_ENV, raising=False)
-    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert CPUPlatform().dense_gemm_kernels() == [
-        AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv
-    ]
+    _fake_cpu(monkeypatch, {"avx2"})
+    assert CPUPlatform().dense_gemm_kernels() == [CPUPackedGemm, OneDNNPackedGemm, CPUPlainGemm]
 
 
-def test_amx_cpus_and_the_environment_put_onednn_first(monkeypatch):
-    onednn_first = [OneDNNPackedGemm, AVX512BF16Gemm, AVX512BF16PlainGemv]
+def test_amx_cpus_without_amx_kernels_and_the_environment_put_onednn_first(monkeypatch):
+    onednn_first = [OneDNNPackedGemm, CPUPackedGemm, CPUPlainGemm]
     monkeypatch.delenv(cpu_gemm.GEMM_ENV, raising=False)
-    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset(
-        {"avx512_bf16", "amx_bf16", "amx_tile"}))
-    # oneDNN's AMX GEMM is several times faster at prefill sizes.
+    _fake_cpu(monkeypatch, {"avx512_bf16", "amx_bf16", "amx_tile"})
+    # oneDNN's AMX GEMM is several times faster at prefill sizes than vdpbf16ps.
     assert CPUPlatform().dense_gemm_kernels() == onednn_first
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512_bf16")
-    assert CPUPlatform().dense_gemm_kernels()[0] is AVX512BF16Gemm
-    monkeypatch.setattr(cpu_gemm.kernel_build, "cpu_flags", lambda: frozenset())
+    _fake_cpu(monkeypatch, {"avx512_bf16", "amx_bf16", "amx_tile"}, amx_kernels=True)
+    assert CPUPlatform().dense_gemm_kernels()[0] is CPUPackedGemm
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "native")
+    _fake_cpu(monkeypatch, {"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert CPUPlatform().dense_gemm_kernels()[0] is CPUPackedGemm
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512_bf16")  # the older name of "native"
+    assert CPUPlatform().dense_gemm_kernels()[0] is CPUPackedGemm
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+    _fake_cpu(monkeypatch, set())
     assert CPUPlatform().dense_gemm_kernels() == onednn_first
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "mkl")
     with pytest.raises(ValueError, match="ENGINE_CPU_GEMM='mkl'"):
         CPUPlatform().dense_gemm_kernels()
 
 
-def _bf16_gemm() -> AVX512BF16Gemm:
-    reason = AVX512BF16Gemm.can_implement(DenseLayerSpec(64, 64, torch.bfloat16, CPU))
-    if reason is not None:
-        pytest.skip(reason)
-    return AVX512BF16Gemm()
+# -- the packed GEMM ------------------------------------------------------------------------
+
+ROWS = (0, 1, 2, 3, 5, 6, 7, 13, 48, 53, 100)
 
 
-def _bf16_reference(x, weight, bias):
-    """float64 product, then what one rounding to bf16 may move it by."""
-    ref = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
-    return ref, ref.abs() * 2.0**-8 + 1e-3
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 2, 5, 6, 7, 48, 53, 100])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 2), (96, 80), (208, 130)])
+@pytest.mark.parametrize(("act", "wdt"), DTYPE_PAIRS, ids=_PAIR_IDS)
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(16, 2), (96, 80), (208, 130), (64, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_gemm_matches_float64(num_tokens, out_features, in_features, with_bias):
-    """Every register block height (1-6 rows, several row chunks) and panel width
-    (208 = three full panels of 64 and one of 16; 96 = 64 + 32)."""
-    kernel = _bf16_gemm()
-    gen = torch.Generator().manual_seed(num_tokens * 1000 + in_features)
-    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(num_tokens, in_features, generator=gen).bfloat16()
-    y = kernel.apply(kernel.prepare(weight), x, bias)
-    assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, out_features)
-    ref, tol = _bf16_reference(x, weight, bias)
-    assert bool(((y.double() - ref).abs() <= tol).all())
+def test_packed_gemm_matches_float64(kernels, act, wdt, out_features, in_features, with_bias):
+    """Every register block height (decode sizes 1-6 streamed, larger M in chunks of
+    rows), full and narrow panels (16 = one narrow panel; 208 = 3 x 64 + 16 on AVX-512),
+    one and several K blocks (600 k)."""
+    gemm = CPUPackedGemm(kernels)
+    spec = DenseLayerSpec(in_features, out_features, wdt, CPU, activation_dtype=act)
+    assert CPUPackedGemm.can_implement(spec) is None
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    x, weight, bias = _operands(gen, max(ROWS), out_features, in_features, act, wdt, with_bias)
+    packed = gemm.prepare(weight, spec)
+    assert packed.dtype == wdt and packed.numel() == weight.numel()  # stays in its dtype
+    for m in ROWS:
+        _assert_close(gemm.apply(packed, x[:m], bias), x[:m], weight, bias)
 
 
-def test_bf16_gemm_reads_strided_and_batched_inputs():
-    kernel = _bf16_gemm()
-    weight = torch.randn(48, 64).bfloat16()
-    packed = kernel.prepare(weight)
-    wide = torch.randn(9, 3 * 64).bfloat16()
+@pytest.mark.parametrize(("act", "wdt"), [(BF16, BF16), (F32, BF16), (F32, F32)],
+                         ids=["bf16-x-bf16-w", "f32-x-bf16-w", "f32-x-f32-w"])
+def test_packed_gemm_reads_strided_and_batched_inputs(kernels, act, wdt):
+    gemm = CPUPackedGemm(kernels)
+    weight = torch.randn(48, 64).to(wdt)
+    packed = gemm.prepare(weight, _spec(wdt, act, in_features=64, out_features=48))
+    wide = torch.randn(9, 3 * 64).to(act)
     x = wide[:, 64:128]  # a column slice of a fused projection's output
-    ref, tol = _bf16_reference(x, weight, None)
-    assert bool(((kernel.apply(packed, x).double() - ref).abs() <= tol).all())
-    batched = torch.randn(2, 3, 64).bfloat16()
-    y = kernel.apply(packed, batched)
-    ref, tol = _bf16_reference(batched.reshape(6, 64), weight, None)
+    _assert_close(gemm.apply(packed, x), x, weight)
+    batched = torch.randn(2, 3, 64).to(act)
+    y = gemm.apply(packed, batched)
     assert y.shape == (2, 3, 48)
-    assert bool(((y.reshape(6, 48).double() - ref).abs() <= tol).all())
+    _assert_close(y.reshape(6, 48), batched.reshape(6, 64), weight)
     single = wide[4:5, 64:128]  # one row: its row stride does not matter
-    ref, tol = _bf16_reference(single, weight, None)
-    assert bool(((kernel.apply(packed, single).double() - ref).abs() <= tol).all())
+    _assert_close(gemm.apply(packed, single), single, weight)
 
 
-def test_bf16_gemm_refuses_what_it_cannot_run():
-    def spec(out_features=64, in_features=64, dtype=torch.bfloat16, device=CPU):
-        return DenseLayerSpec(in_features, out_features, dtype, device)
-
-    assert "bf16 only" in AVX512BF16Gemm.can_implement(spec(dtype=torch.float32))
-    assert "not the CPU" in AVX512BF16Gemm.can_implement(spec(device=torch.device("meta")))
-    kernel = _bf16_gemm()
-    assert "multiples of 16" in AVX512BF16Gemm.can_implement(spec(out_features=40))
-    assert "even number" in AVX512BF16Gemm.can_implement(spec(in_features=33))
-    with pytest.raises(ValueError, match="bfloat16"):
-        kernel.prepare(torch.randn(16, 8))
+def test_packed_gemm_refuses_what_it_cannot_run(kernels):
+    assert "not the CPU" in CPUPackedGemm.can_implement(_spec(BF16, device=torch.device("meta")))
+    assert "multiples of 16" in CPUPackedGemm.can_implement(_spec(BF16, out_features=40))
+    assert "float32 or the same" in CPUPackedGemm.can_implement(_spec(F32, BF16))
+    assert "not float" in CPUPackedGemm.can_implement(_spec(torch.int8))
     with pytest.raises(ValueError, match="refused"):
-        kernel.prepare(torch.randn(20, 8).bfloat16())
-    packed = kernel.prepare(torch.randn(16, 8).bfloat16())
-    with pytest.raises(ValueError, match="bfloat16"):
-        kernel.apply(packed, torch.randn(2, 8))
+        kernels.pack(torch.randn(20, 8).bfloat16(), BF16)
+    packed = kernels.pack(torch.randn(16, 8).bfloat16(), BF16)
     with pytest.raises(ValueError, match="no rows of 6"):
-        kernel.apply(packed, torch.randn(2, 6).bfloat16())
+        kernels.gemm(packed, torch.randn(2, 6).bfloat16())
     with pytest.raises(ValueError, match="bias"):
-        kernel.apply(packed, torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
+        kernels.gemm(packed, torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16())
+    with pytest.raises(ValueError, match="bias"):  # the bias follows the activations
+        kernels.gemm(packed, torch.randn(2, 8).bfloat16(), torch.randn(16))
 
 
-def test_packed_gemm_refuses_what_it_cannot_run():
-    assert "float16" in OneDNNPackedGemm.can_implement(_spec(torch.float16))
-    meta = DenseLayerSpec(8, 4, torch.float32, torch.device("meta"))
-    assert "not the CPU" in OneDNNPackedGemm.can_implement(meta)
+# -- the plain-layout GEMM (tied LM heads) -------------------------------------------------
+
+@pytest.mark.parametrize(("act", "wdt"), DTYPE_PAIRS, ids=_PAIR_IDS)
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(5, 33), (67, 100), (130, 64), (96, 100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plain_gemm_matches_float64(kernels, act, wdt, out_features, in_features, with_bias):
+    """Every tail of weight rows and of input features; 1 to 9 rows of x as dot products,
+    30 rows through panels transposed on the fly (out features a multiple of 16); the
+    weight is used as it is."""
+    gemm = CPUPlainGemm(kernels)
+    gen = torch.Generator().manual_seed(out_features * 7 + in_features)
+    x, weight, bias = _operands(gen, 30, out_features, in_features, act, wdt, with_bias)
+    assert gemm.prepare(weight, _spec(wdt, act)) is weight
+    for m in (1, 2, 3, 4, 5, 9, 30):
+        _assert_close(gemm.apply(weight, x[:m], bias), x[:m], weight, bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_gemm_reads_strided_rows_and_refuses_bad_input(kernels):
+    gemm = CPUPlainGemm(kernels)
+    weight = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 128).bfloat16()[:, 32:96]
+    _assert_close(gemm.apply(weight, x), x, weight)
+    with pytest.raises(ValueError, match="row-major"):
+        kernels.gemm_plain(weight, torch.randn(1, 32).bfloat16())
+    with pytest.raises(ValueError, match="float inputs"):
+        kernels.gemm_plain(weight, torch.randn(1, 64).to(torch.int32))
+
+
+# -- oneDNN -------------------------------------------------------------------------------
+
+def test_onednn_refuses_what_it_cannot_run():
+    assert "float16" in OneDNNPackedGemm.can_implement(_spec(F16))
+    assert "not the CPU" in OneDNNPackedGemm.can_implement(_spec(F32, device=torch.device("meta")))
+    assert "activations" in OneDNNPackedGemm.can_implement(_spec(BF16, F32))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 67])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_gemm_matches_float64(dtype, num_tokens, with_bias):
+def test_onednn_matches_float64(dtype, num_tokens, with_bias):
     if OneDNNPackedGemm.can_implement(_spec(dtype)) is not None:
-        pytest.skip(OneDNNPackedGemm.can_implement(_spec(dtype)))
+        pytest.skip(OneDNNPackedGemm.can_implement(_spec(dtype)))  # torch's build, not ours
     gen = torch.Generator().manual_seed(num_tokens)
-    weight = torch.randn(96, 80, generator=gen).to(dtype)
-    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
-    x = torch.randn(num_tokens, 80, generator=gen).to(dtype)
+    x, weight, bias = _operands(gen, num_tokens, 96, 80, dtype, dtype, with_bias)
     kernel = OneDNNPackedGemm()
-    y = kernel.apply(kernel.prepare(weight), x, bias)
-    ref = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
-    assert y.dtype == dtype and y.shape == (num_tokens, 96)
-    # bf16 output: one rounding of a ~10-magnitude value; float32: accumulation order.
-    tol = 0.1 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(y.double(), ref, atol=tol, rtol=1e-2)
+    y = kernel.apply(kernel.prepare(weight, _spec(dtype)), x, bias)
+    _assert_close(y, x, weight, bias)
 
 
-def test_packed_gemm_reads_strided_inputs():
+def test_onednn_reads_strided_inputs():
     kernel = OneDNNPackedGemm()
     weight = torch.randn(16, 8)
     x = torch.randn(4, 24)[:, 8:16]  # a column slice, as a fused projection hands over
-    y = kernel.apply(kernel.prepare(weight), x)
-    torch.testing.assert_close(y.double(), x.double() @ weight.double().T, atol=1e-4, rtol=0)
+    _assert_close(kernel.apply(kernel.prepare(weight, _spec(F32)), x), x, weight)
 
+
+# -- the packing pass ----------------------------------------------------------------------
 
 class _TinyNet(nn.Module):
-    def __init__(self, tied: bool) -> None:
+    def __init__(self, tied: bool, dtype=F32, weight_dtype=None) -> None:
         super().__init__()
-        common = {"dtype": torch.float32, "device": CPU}
-        self.embed = VocabEmbedding(32, 8, **common)
-        self.proj = MergedLinear(8, {0: 6, 1: 6}, bias=True, **common)
-        self.down = ReplicatedLinear(12, 8, bias=False, **common)
-        self.head = LMHead(32, 8, **common)
+        common = {"dtype": dtype, "device": CPU, "weight_dtype": weight_dtype}
+        self.embed = VocabEmbedding(32, 16, **common)
+        self.proj = MergedLinear(16, {0: 16, 1: 16}, bias=True, **common)
+        self.down = ReplicatedLinear(32, 16, bias=False, **common)
+        self.head = LMHead(32, 16, **common)
         if tied:
             self.head.tie_to(self.embed)
         for p in self.parameters():
@@ -193,7 +250,7 @@ class _Refuses(DenseGemmKernel):
     def can_implement(cls, spec):
         return "never"
 
-    def prepare(self, weight):
+    def prepare(self, weight, spec):
         raise AssertionError("a refusing kernel is never asked to pack")
 
     def apply(self, weight, x, bias=None):
@@ -208,53 +265,41 @@ def test_kernels_are_offered_in_preference_order():
     assert isinstance(net.proj.gemm_kernel, OneDNNPackedGemm)
 
 
-def _plain_gemv() -> AVX512BF16PlainGemv:
-    reason = AVX512BF16PlainGemv.can_implement(DenseLayerSpec(64, 64, torch.bfloat16, CPU))
-    if reason is not None:
-        pytest.skip(reason)
-    return AVX512BF16PlainGemv()
-
-
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize(("out_features", "in_features"), [(5, 33), (67, 100), (130, 64)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_plain_gemv_matches_float64(num_tokens, out_features, in_features, with_bias):
-    """Up to 4 rows through the C row GEMV (every tail of 4 weight rows and of 32 input
-    features), more through F.linear; the weight is used as it is."""
-    kernel = _plain_gemv()
-    gen = torch.Generator().manual_seed(num_tokens * 7 + out_features)
-    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(num_tokens, in_features, generator=gen).bfloat16()
-    assert kernel.prepare(weight) is weight
-    y = kernel.apply(weight, x, bias)
-    ref, tol = _bf16_reference(x, weight, bias)
-    assert y.dtype == torch.bfloat16 and y.shape == (num_tokens, out_features)
-    assert bool(((y.double() - ref).abs() <= tol).all())
-
-
-def test_plain_gemv_reads_strided_rows_and_refuses_bad_input():
-    kernel = _plain_gemv()
-    weight = torch.randn(40, 64).bfloat16()
-    x = torch.randn(3, 128).bfloat16()[:, 32:96]
-    ref, tol = _bf16_reference(x, weight, None)
-    assert bool(((kernel.apply(weight, x).double() - ref).abs() <= tol).all())
-    with pytest.raises(ValueError, match="1 to 4 rows"):
-        kernel.kernels.gemv_bf16(weight, torch.randn(5, 64).bfloat16())
-    with pytest.raises(ValueError, match="row-major"):
-        kernel.kernels.gemv_bf16(weight, torch.randn(1, 32).bfloat16())
-
-
-def test_a_tied_head_keeps_the_shared_weight_and_takes_only_layout_keeping_kernels():
-    _plain_gemv()
+def test_a_tied_head_keeps_the_shared_weight_and_takes_only_layout_keeping_kernels(
+    engine_kernels,
+):
     torch.manual_seed(0)
-    net = _TinyNet(tied=True).to(torch.bfloat16)
+    net = _TinyNet(tied=True, dtype=BF16)
     ids = torch.tensor([1, 5, 31])
     expected = net(ids[:1])
     embedding = net.embed.weight
-    packed = pack_dense_weights(net, [AVX512BF16Gemm, OneDNNPackedGemm, AVX512BF16PlainGemv])
+    packed = pack_dense_weights(net, [CPUPackedGemm, OneDNNPackedGemm, CPUPlainGemm])
     assert packed == 3
-    assert isinstance(net.head.gemm_kernel, AVX512BF16PlainGemv)
+    assert isinstance(net.head.gemm_kernel, CPUPlainGemm)
     assert net.head.weight is embedding and net.embed.weight is embedding
-    assert not isinstance(net.proj.gemm_kernel, AVX512BF16PlainGemv)
+    assert isinstance(net.proj.gemm_kernel, CPUPackedGemm)
     torch.testing.assert_close(net(ids[:1]), expected, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_narrow_weights_stay_narrow_under_the_c_gemms_and_are_widened_without_them(
+    engine_kernels, tied
+):
+    """bf16 weights with float32 activations: the C GEMMs take them as they are; layers
+    no kernel takes get float32 weights once, for F.linear; the output is float32 and
+    matches the same net in float32 throughout."""
+    torch.manual_seed(0)
+    narrow = _TinyNet(tied, dtype=F32, weight_dtype=BF16)
+    wide = _TinyNet(tied, dtype=F32)
+    wide.load_state_dict({k: v.float() for k, v in narrow.state_dict().items()})
+    ids = torch.tensor([1, 5, 31])
+    expected = wide(ids)
+    plain = _TinyNet(tied, dtype=F32, weight_dtype=BF16)
+    plain.load_state_dict(narrow.state_dict())
+    assert pack_dense_weights(plain, []) == 0
+    assert plain.proj.weight.dtype == F32 and plain.head.weight.dtype == F32
+    torch.testing.assert_close(plain(ids), expected, atol=1e-4, rtol=1e-4)
+    assert pack_dense_weights(narrow, [CPUPackedGemm, CPUPlainGemm]) == 3
+    assert narrow.proj.weight.dtype == BF16 and narrow.embed.weight.dtype == BF16
+    assert narrow.embed(ids).dtype == F32
+    torch.testing.assert_close(narrow(ids), expected, atol=1e-4, rtol=1e-4)

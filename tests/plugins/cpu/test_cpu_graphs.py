@@ -21,29 +21,32 @@ def capturer(kernels):
     return CPUGraphCapturer(kernels)
 
 
-def test_the_cpu_platform_offers_a_capturer(kernels):
+def test_the_cpu_platform_offers_a_capturer(engine_kernels):
     assert isinstance(CPUPlatform().forward_graph_capturer(), CPUGraphCapturer)
 
 
 def _norm_mlp(kernels, x, residual, norm_w, up, down):
     """A decoder-like chain of C kernels: norm(x + residual) -> up -> silu*mul -> down."""
     hidden = kernels.rms_norm(x, norm_w, 1e-5, residual)
-    return kernels.gemm_bf16(down, kernels.silu_and_mul(kernels.gemm_bf16(up, hidden)))
+    return kernels.gemm(down, kernels.silu_and_mul(kernels.gemm(up, hidden)))
 
 
-def _mlp_weights(kernels, gen, hidden=64, inter=96):
-    up = torch.randn(2 * inter, hidden, generator=gen).bfloat16() * 0.1
-    down = torch.randn(hidden, inter, generator=gen).bfloat16() * 0.1
-    norm_w = (torch.rand(hidden, generator=gen) + 0.5).bfloat16()
-    return norm_w, kernels.pack_bf16(up), kernels.pack_bf16(down)
+def _mlp_weights(kernels, gen, act, wdt, hidden=64, inter=96):
+    up = (torch.randn(2 * inter, hidden, generator=gen) * 0.1).to(wdt)
+    down = (torch.randn(hidden, inter, generator=gen) * 0.1).to(wdt)
+    norm_w = (torch.rand(hidden, generator=gen) + 0.5).to(act)
+    return norm_w, kernels.pack(up, act), kernels.pack(down, act)
 
 
-def test_replays_read_their_inputs_at_replay_time_and_match_eager_calls(kernels, capturer):
-    if not kernels.has_bf16_gemm:
-        pytest.skip("this CPU has no AVX512-BF16 GEMM")
+@pytest.mark.parametrize(("act", "wdt"), [(torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.bfloat16),
+                                          (torch.float32, torch.float32)])
+def test_replays_read_their_inputs_at_replay_time_and_match_eager_calls(kernels, capturer,
+                                                                        act, wdt):
+    """Every level replays its GEMMs, bf16 weights under float32 activations included."""
     gen = torch.Generator().manual_seed(0)
-    norm_w, up, down = _mlp_weights(kernels, gen)
-    x, residual = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 64, dtype=torch.bfloat16)
+    norm_w, up, down = _mlp_weights(kernels, gen, act, wdt)
+    x, residual = torch.zeros(3, 64, dtype=act), torch.zeros(3, 64, dtype=act)
     graph = capturer.capture(lambda: _norm_mlp(kernels, x, residual, norm_w, up, down))
     for _ in range(3):  # new values in the same buffers, as the runner writes each step
         x.copy_(torch.randn(3, 64, generator=gen))
@@ -201,7 +204,7 @@ def test_a_chain_reuses_the_bytes_of_dead_buffers():
     assert plan.table[3, 2] == external.data_ptr() and not plan.relative[3, 2]
 
 
-def test_capturing_does_not_import_torch_compile(kernels):
+def test_capturing_does_not_import_torch_compile(engine_kernels):
     """torch wraps dispatch modes to keep dynamo out, importing it on first use (~0.5 s,
     on the first decode step); the guard opts out, since nothing compiles in a capture."""
     code = (

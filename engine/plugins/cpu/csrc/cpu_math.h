@@ -1,6 +1,7 @@
 /*
- * Scalar helpers shared by the CPU plugin's C kernels: storage dtypes, bf16 rounding,
- * a vectorizable exponential. Everything is static inline (one copy per kernel file).
+ * Scalar helpers shared by the CPU plugin's C kernels: storage dtypes, bf16 / fp16
+ * conversions, a vectorizable exponential. Everything is static inline (one copy per
+ * kernel file).
  */
 #ifndef ENGINE_CPU_MATH_H
 #define ENGINE_CPU_MATH_H
@@ -10,12 +11,26 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
+/* _Float16 where the compiler has it (x86-64 with GCC >= 12, aarch64, clang); the
+ * conversions below are then single instructions with F16C / on Arm. Elsewhere they are
+ * written out in integer arithmetic (the "plain C" build of other architectures). */
+#ifndef HAVE_FLOAT16 /* a build may set 0 to use (and test) the integer conversions */
+#if defined(__FLT16_MAX__)
+#define HAVE_FLOAT16 1
+#else
+#define HAVE_FLOAT16 0
+#endif
+#endif
+
+static inline int64_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+static inline float bits_to_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+static inline float bf16_to_f32(uint16_t x) { return bits_to_f32((uint32_t)x << 16); }
 
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t bits;
@@ -24,6 +39,50 @@ static inline uint16_t f32_to_bf16(float f) {
     const uint32_t quiet_nan = (bits >> 16) | 0x40u;
     /* a select, not a branch: loops storing bf16 still vectorize */
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if HAVE_FLOAT16
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0x1fu) /* inf / NaN */
+        return bits_to_f32(sign | 0x7f800000u | (mantissa << 13));
+    if (exponent == 0) { /* zero / subnormal: mantissa x 2^-24, exact in float32 */
+        const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    return bits_to_f32(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#endif
+}
+
+static inline uint16_t f32_to_f16(float f) {
+#if HAVE_FLOAT16
+    const _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, sizeof h);
+    return h;
+#else
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) /* NaN stays a quiet NaN */
+        return (uint16_t)(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu));
+    if (magnitude >= 0x477ff000u) /* rounds to or beyond 65520: inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal half, nearest even */
+        const float scaled = bits_to_f32(magnitude) * 16777216.0f; /* units of 2^-24 */
+        uint32_t units = (uint32_t)scaled;
+        const float rest = scaled - (float)units;
+        units += rest > 0.5f || (rest == 0.5f && (units & 1u));
+        return (uint16_t)(sign | units);
+    }
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u) - 0x38000000u;
+    return (uint16_t)(sign | (rounded >> 13));
+#endif
 }
 
 /* The exponential's arithmetic, shared by the scalar exp_nonpositive and the 16-lane
@@ -55,14 +114,14 @@ static inline float exp_nonpositive(float x) {
 static inline __attribute__((always_inline)) float load_at(const void *base, int64_t index,
                                                           const int dtype) {
     if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[index]);
-    if (dtype == DTYPE_F16) return (float)((const _Float16 *)base)[index];
+    if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)base)[index]);
     return ((const float *)base)[index];
 }
 
 static inline __attribute__((always_inline)) void store_at(void *base, int64_t index,
                                                            const int dtype, float value) {
     if (dtype == DTYPE_BF16) ((uint16_t *)base)[index] = f32_to_bf16(value);
-    else if (dtype == DTYPE_F16) ((_Float16 *)base)[index] = (_Float16)value;
+    else if (dtype == DTYPE_F16) ((uint16_t *)base)[index] = f32_to_f16(value);
     else ((float *)base)[index] = value;
 }
 
@@ -70,7 +129,7 @@ static inline __attribute__((always_inline)) void store_at(void *base, int64_t i
  * returns a tensor of that dtype, so a fused kernel rounds where the op chain did. */
 static inline __attribute__((always_inline)) float round_to(const int dtype, float value) {
     if (dtype == DTYPE_BF16) return bf16_to_f32(f32_to_bf16(value));
-    if (dtype == DTYPE_F16) return (float)(_Float16)value;
+    if (dtype == DTYPE_F16) return f16_to_f32(f32_to_f16(value));
     return value;
 }
 

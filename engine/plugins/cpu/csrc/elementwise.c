@@ -199,17 +199,30 @@ int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, in
 }
 
 /*
- * out[t] = table[ids[t]] for rows of row_bytes (the embedding lookup, any dtype). An id
+ * out[t] = table[ids[t]] for rows of `hidden` values (the embedding lookup), widened or
+ * rounded from the table's dtype to out_dtype (a plain copy when they match). An id
  * outside [0, vocab) refuses the call (-2) before anything is copied.
  */
 int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
-                   int64_t row_bytes, void *out)
+                   int64_t hidden, int table_dtype, void *out, int out_dtype)
 {
+    if (hidden <= 0 || table_dtype < DTYPE_F32 || table_dtype > DTYPE_F16 ||
+        out_dtype < DTYPE_F32 || out_dtype > DTYPE_F16)
+        return -1;
     for (int64_t t = 0; t < num_ids; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return -2;
-#pragma omp parallel for if (num_ids * row_bytes >= (1 << 20))
+    const int64_t in_row = hidden * dtype_size(table_dtype);
+    const int64_t out_row = hidden * dtype_size(out_dtype);
+    if (table_dtype == out_dtype) {
+#pragma omp parallel for if (num_ids * out_row >= (1 << 20))
+        for (int64_t t = 0; t < num_ids; t++)
+            memcpy((char *)out + t * out_row, (const char *)table + ids[t] * in_row,
+                   (size_t)out_row);
+        return 0;
+    }
+#pragma omp parallel for if (num_ids * out_row >= (1 << 20))
     for (int64_t t = 0; t < num_ids; t++)
-        memcpy((char *)out + t * row_bytes, (const char *)table + ids[t] * row_bytes,
-               (size_t)row_bytes);
+        for (int64_t i = 0; i < hidden; i++)
+            store_at(out, t * hidden + i, out_dtype, load_at(table, ids[t] * hidden + i, table_dtype));
     return 0;
 }

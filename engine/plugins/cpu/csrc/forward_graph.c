@@ -16,7 +16,7 @@
 
 #include "kernels.h"
 
-#define GRAPH_OP_WORDS 20 /* kernel id + up to 19 arguments (paged_decode_attention's) */
+#define GRAPH_OP_WORDS 21 /* kernel id + up to 20 arguments (paged_decode_attention's) */
 
 enum {
     GK_RMS_NORM,
@@ -25,14 +25,14 @@ enum {
     GK_EMBEDDING_ROWS,
     GK_WRITE_KV,
     GK_PAGED_DECODE_ATTENTION,
-    GK_GEMM_BF16,
-    GK_GEMV_BF16,
+    GK_GEMM_PACKED,
+    GK_GEMM_PLAIN,
     GK_COUNT
 };
 
 static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
-    "write_kv", "paged_decode_attention", "gemm_bf16_vnni", "gemv_bf16_rows",
+    "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -74,22 +74,25 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
             status = rotary_neox(P(0), a[1], P(2), P(3), a[4], a[5], a[6], a[7], I(8));
             break;
         case GK_EMBEDDING_ROWS:
-            status = embedding_rows(P(0), a[1], P(2), a[3], a[4], P(5));
+            status = embedding_rows(P(0), a[1], P(2), a[3], a[4], I(5), P(6), I(7));
             break;
         case GK_WRITE_KV:
             status = write_kv(P(0), a[1], a[2], P(3), a[4], a[5], P(6), a[7], P(8), P(9), a[10],
-                              I(11), I(12), I(13), I(14));
+                              I(11), I(12), I(13), I(14), I(15));
             break;
         case GK_PAGED_DECODE_ATTENTION:
             status = paged_decode_attention(P(0), a[1], a[2], P(3), P(4), P(5), a[6], P(7), P(8),
                                             I(9), I(10), I(11), I(12), I(13), I(14),
-                                            f32_word(a[15]), I(16), f32_word(a[17]), I(18));
+                                            f32_word(a[15]), I(16), f32_word(a[17]), I(18),
+                                            I(19));
             break;
-        case GK_GEMM_BF16:
-            status = gemm_bf16_vnni(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8]);
+        case GK_GEMM_PACKED:
+            status = gemm_packed(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], I(9),
+                                 I(10));
             break;
-        case GK_GEMV_BF16:
-            status = gemv_bf16_rows(P(0), a[1], P(2), a[3], P(4), P(5), a[6], a[7], a[8], a[9]);
+        case GK_GEMM_PLAIN:
+            status = gemm_plain(P(0), a[1], P(2), a[3], P(4), P(5), a[6], a[7], a[8], a[9],
+                                I(10), I(11));
             break;
         default:
             status = -2;

@@ -1,25 +1,30 @@
 /*
  * The CPU plugin's C entry points, as native.py binds them and forward_graph.c replays
  * them. Every kernel returns 0, or a nonzero status when it refused its arguments
- * (nothing is written then, unless a kernel says otherwise).
+ * (nothing is written then, unless a kernel says otherwise). Dtype arguments take the
+ * DTYPE_* codes of cpu_math.h. Every ISA level's library exports the same entry points.
  */
 #ifndef ENGINE_CPU_KERNELS_H
 #define ENGINE_CPU_KERNELS_H
 
 #include <stdint.h>
 
+/* q and out in q_dtype, the caches in dtype (a wider query reads a narrower cache). */
 int paged_decode_attention(
     const void *q, int64_t q_req_stride, int64_t q_head_stride,
     const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
-    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits);
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
+    int q_dtype);
 /* The key ranges per (request, KV head) task paged_decode_attention picks for num_splits 0. */
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window);
+/* key / value in src_dtype, rounded into caches of dtype. */
 int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
-             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype);
+             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype,
+             int src_dtype);
 int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
              int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
              float eps, int dtype);
@@ -29,12 +34,13 @@ int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void 
                 int64_t rows, int64_t heads, int64_t head_size, int64_t max_positions,
                 int dtype);
 int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
-                   int64_t row_bytes, void *out);
-int gemm_bf16_vnni(const uint16_t *x, int64_t ldx, const uint16_t *packed,
-                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
-                   int64_t k);
-int gemv_bf16_rows(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw,
-                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
-                   int64_t k);
+                   int64_t hidden, int table_dtype, void *out, int out_dtype);
+/* out = x W^T (+ bias): x, bias and out in adt, W in wdt, packed by gemm_pack for the
+ * same (adt, wdt) pair; gemm_plain reads W as a plain row-major [n, k] (row stride ldw). */
+int gemm_pack(const void *w, int64_t n, int64_t k, int wdt, int adt, void *packed);
+int gemm_packed(const void *x, int64_t ldx, const void *packed, const void *bias, void *out,
+                int64_t ldo, int64_t m, int64_t n, int64_t k, int adt, int wdt);
+int gemm_plain(const void *x, int64_t ldx, const void *w, int64_t ldw, const void *bias,
+               void *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int adt, int wdt);
 
 #endif

@@ -57,7 +57,9 @@ typedef float vfloat __attribute__((vector_size(SLICE * sizeof(float))));
 typedef int32_t vlane __attribute__((vector_size(SLICE * sizeof(int32_t))));
 typedef uint32_t vu32 __attribute__((vector_size(SLICE * sizeof(uint32_t))));
 typedef uint16_t vu16 __attribute__((vector_size(SLICE * sizeof(uint16_t))));
+#if HAVE_FLOAT16
 typedef _Float16 vhalf __attribute__((vector_size(SLICE * sizeof(_Float16))));
+#endif
 
 static inline vlane lane_ids(void) {
     const vlane ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -102,9 +104,15 @@ static inline __attribute__((always_inline)) vfloat load_values(const void *base
 #endif
     }
     if (dtype == DTYPE_F16) {
+#if HAVE_FLOAT16
         vhalf h;
         memcpy(&h, (const _Float16 *)base + index, sizeof h);
         return __builtin_convertvector(h, vfloat);
+#else
+        float part[SLICE];
+        for (int l = 0; l < SLICE; l++) part[l] = f16_to_f32(((const uint16_t *)base)[index + l]);
+        return load_floats(part);
+#endif
     }
     return load_floats((const float *)base + index);
 }
@@ -174,7 +182,7 @@ static inline vfloat vexp_nonpositive(vfloat x) {
 static inline __attribute__((always_inline)) void prefetch_row(
     const void *k_cache, const void *v_cache, int64_t index, int64_t count, const int dtype)
 {
-    const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t size = dtype_size(dtype);
     const char *k = (const char *)k_cache + index * size, *v = (const char *)v_cache + index * size;
     for (int64_t offset = 0; offset < count * size; offset += 64) {
         __builtin_prefetch(k + offset, 0, 2); /* into L2: 4 blocks of rows would crowd L1 */
@@ -268,7 +276,7 @@ static inline __attribute__((always_inline)) void attend_task(
     const void *k_cache, const void *v_cache, const int64_t *blocks,
     int64_t first, int64_t seq_len, int64_t head_row, int64_t block_stride,
     float *out_max, float *out_sum, float *out_acc, int group, int head_size, int block_size,
-    const int dtype, float scale, float soft_cap)
+    const int dtype, float scale, float soft_cap, int q_dtype)
 {
     const int padded_group = (group + HEADS - 1) / HEADS * HEADS;
     const int key_pairs = BF16_KEY_PAIRS && dtype == DTYPE_BF16;
@@ -276,14 +284,21 @@ static inline __attribute__((always_inline)) void attend_task(
     float row_max[MAX_GROUP], row_sum[MAX_GROUP];
     memset(qs, 0, sizeof(float) * padded_group * head_size);
     memset(acc, 0, sizeof(float) * padded_group * head_size);
-    if (key_pairs) /* the raw bf16 query, two dims per float's bits; scaled after */
-        for (int g = 0; g < group; g++)
-            memcpy(qs + g * head_size / 2, (const uint16_t *)q + q_index + g * q_head_stride,
-                   sizeof(uint16_t) * head_size);
-    else
+    if (key_pairs) { /* the bf16 query, two dims per float's bits; scaled after */
+        for (int g = 0; g < group; g++) {
+            uint16_t *pairs = (uint16_t *)(qs + g * head_size / 2);
+            const int64_t row = q_index + g * q_head_stride;
+            if (q_dtype == DTYPE_BF16)
+                memcpy(pairs, (const uint16_t *)q + row, sizeof(uint16_t) * head_size);
+            else /* a wider query is rounded to the keys' bf16 for vdpbf16ps */
+                for (int i = 0; i < head_size; i++)
+                    pairs[i] = f32_to_bf16(load_at(q, row + i, q_dtype));
+        }
+    } else {
         for (int g = 0; g < group; g++)
             for (int i = 0; i < head_size; i++)
-                qs[g * head_size + i] = scale * load_at(q, q_index + g * q_head_stride + i, dtype);
+                qs[g * head_size + i] = scale * load_at(q, q_index + g * q_head_stride + i, q_dtype);
+    }
     for (int g = 0; g < padded_group; g++) {
         row_max[g] = -INFINITY;
         row_sum[g] = 0.0f;
@@ -420,7 +435,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
                     const void *k_cache, const void *v_cache, const int64_t *block_tables,  \
                     int64_t bt_stride, const int64_t *seq_lens, void *out, int num_reqs,    \
                     int num_heads, int num_kv_heads, int head_size, int block_size,         \
-                    float scale, int window, float soft_cap, int num_splits) {              \
+                    float scale, int window, float soft_cap, int num_splits, int q_dtype) { \
         const int group = num_heads / num_kv_heads;                                          \
         const int64_t row_len = (int64_t)block_size * head_size;                             \
         const int num_tasks = num_reqs * num_kv_heads;                                       \
@@ -448,12 +463,12 @@ static inline __attribute__((always_inline)) void merge_and_store(
                             q_head_stride, k_cache, v_cache, block_tables + r * bt_stride,   \
                             lo, hi, kvh * row_len, num_kv_heads * row_len, part,             \
                             part + group, part + 2 * group, group, head_size, block_size,    \
-                            DTYPE, scale, soft_cap);                                         \
+                            DTYPE, scale, soft_cap, q_dtype);                                \
             }                                                                                \
             if (num_splits == 1) /* the whole task: normalize now, no second pass */        \
                 merge_and_store(part, 1, part_stride, group, head_size, out,                 \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                DTYPE);                                                      \
+                                q_dtype);                                                    \
         }                                                                                    \
         if (num_splits > 1) { /* merge each task's partial softmaxes */                     \
             _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                  \
@@ -462,7 +477,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
                 merge_and_store(parts + (int64_t)task * num_splits * part_stride,            \
                                 num_splits, part_stride, group, head_size, out,              \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                DTYPE);                                                      \
+                                q_dtype);                                                    \
             }                                                                                \
         }                                                                                    \
         free(parts);                                                                         \
@@ -508,7 +523,8 @@ int paged_decode_attention(
     const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
-    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits)
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
+    int q_dtype)
 {
     if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % SLICE != 0 ||
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
@@ -519,22 +535,23 @@ int paged_decode_attention(
     if (num_splits == 0)
         num_splits = decode_key_splits(num_reqs * num_kv_heads, seq_lens, num_reqs, window);
     if (num_splits < 1 || num_splits > MAX_SPLITS) return -1;
+    if (q_dtype < DTYPE_F32 || q_dtype > DTYPE_F16) return -1;
     switch (dtype) {
     case DTYPE_F32:
         return decode_f32(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
                           bt_stride,
                    seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap, num_splits);
+                   scale, window, soft_cap, num_splits, q_dtype);
     case DTYPE_BF16:
         return decode_bf16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
                           bt_stride,
                     seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                    scale, window, soft_cap, num_splits);
+                    scale, window, soft_cap, num_splits, q_dtype);
     case DTYPE_F16:
         return decode_f16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
                           bt_stride,
                    seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap, num_splits);
+                   scale, window, soft_cap, num_splits, q_dtype);
     default:
         return -1;
     }
@@ -555,13 +572,17 @@ int bf16_key_pairs(void) { return BF16_KEY_PAIRS; }
 int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
-             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype)
+             int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype,
+             int src_dtype)
 {
     if (head_size <= 0 || num_kv_heads <= 0 || block_size <= 0) return -1;
+    if (dtype < DTYPE_F32 || dtype > DTYPE_F16 || src_dtype < DTYPE_F32 || src_dtype > DTYPE_F16)
+        return -1;
     for (int64_t t = 0; t < num_tokens; t++) /* nothing is written unless every slot fits */
         if (slots[t] >= num_blocks * block_size || slots[t] < -1) return -1;
-    const int64_t size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t size = dtype_size(dtype), src_size = dtype_size(src_dtype);
     const int64_t row_len = (int64_t)block_size * head_size;
+    const int pairs = BF16_KEY_PAIRS && dtype == DTYPE_BF16;
 #pragma omp parallel for if (num_tokens >= 256)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
@@ -569,19 +590,31 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
         const int64_t block = slot / block_size, offset = slot % block_size;
         for (int h = 0; h < num_kv_heads; h++) {
             const int64_t row = (block * num_kv_heads + h) * row_len;
-            const char *k = (const char *)key + (t * k_tok_stride + h * k_head_stride) * size;
-            if (BF16_KEY_PAIRS && dtype == DTYPE_BF16) { /* dim pairs: 4 bytes per pair */
-                char *k_dst = (char *)k_cache + (row + 2 * offset) * size;
-                for (int d = 0; d < head_size; d += 2)
-                    memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, 2 * (size_t)size);
-            } else { /* dims major: one value per dim */
-                char *k_dst = (char *)k_cache + (row + offset) * size;
-                for (int d = 0; d < head_size; d++)
-                    memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
+            const char *k = (const char *)key + (t * k_tok_stride + h * k_head_stride) * src_size;
+            const char *v = (const char *)value + (t * v_tok_stride + h * v_head_stride) * src_size;
+            /* dim pairs: dims d, d + 1 side by side in column `offset`; dims major: one
+               value per dim, block_size apart */
+            const int64_t first = pairs ? row + 2 * offset : row + offset;
+            const int64_t dim_stride = pairs ? 2 * (int64_t)block_size : block_size;
+            const int64_t v_first = row + offset * head_size;
+            if (src_dtype == dtype) {
+                char *k_dst = (char *)k_cache + first * size;
+                if (pairs)
+                    for (int d = 0; d < head_size; d += 2)
+                        memcpy(k_dst + (int64_t)d * block_size * size, k + d * size,
+                               2 * (size_t)size);
+                else
+                    for (int d = 0; d < head_size; d++)
+                        memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
+                memcpy((char *)v_cache + v_first * size, v, (size_t)(head_size * size));
+            } else { /* rounded from the activations' dtype into the cache's */
+                for (int d = 0; d < head_size; d++) {
+                    const int64_t at = pairs ? first + (d / 2) * dim_stride + d % 2
+                                             : first + d * dim_stride;
+                    store_at(k_cache, at, dtype, load_at(k, d, src_dtype));
+                    store_at(v_cache, v_first + d, dtype, load_at(v, d, src_dtype));
+                }
             }
-            memcpy((char *)v_cache + (row + offset * head_size) * size,
-                   (const char *)value + (t * v_tok_stride + h * v_head_stride) * size,
-                   (size_t)(head_size * size));
         }
     }
     return 0;

@@ -1,0 +1,126 @@
+/*
+ * Native-width float vectors for the ISA level this translation unit is compiled for.
+ *
+ * The kernels are written once, over GCC / clang vector types of VF lanes (the width of
+ * one register of the level: 16 with AVX-512, 8 with AVX2, 4 with NEON and SSE2), and
+ * the compiler turns the arithmetic into that level's instructions: FMAs where
+ * -ffp-contract=fast meets a multiply-add, vpmovzxwd + shift for bf16, vcvtph2ps (F16C)
+ * or fcvtl (Arm) for fp16. Only where one instruction pays for a kernel of its own
+ * (vdpbf16ps, AMX tiles) do the kernels use intrinsics, behind the level's macros.
+ *
+ * ENGINE_ISA_LEVEL names the level (kernel_build.py passes it with the level's -march);
+ * a build without it is a plain C one.
+ */
+#ifndef ENGINE_CPU_SIMD_H
+#define ENGINE_CPU_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+#ifndef ENGINE_ISA_LEVEL
+#define ENGINE_ISA_LEVEL "generic"
+#endif
+
+#if defined(__AVX512F__)
+#define VF 16
+#elif defined(__AVX__)
+#define VF 8
+#else /* NEON, SSE2, or no SIMD at all (the compiler then lowers the vectors to scalars) */
+#define VF 4
+#endif
+
+/* Registers of the level: how many vectors the GEMM's register block may keep live. */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define VREGS 32
+#else
+#define VREGS 16
+#endif
+
+typedef float vf __attribute__((vector_size(VF * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(VF * sizeof(uint32_t))));
+typedef int32_t vi __attribute__((vector_size(VF * sizeof(int32_t))));
+typedef uint16_t vh __attribute__((vector_size(VF * sizeof(uint16_t))));
+#if HAVE_FLOAT16
+typedef _Float16 vhf __attribute__((vector_size(VF * sizeof(_Float16))));
+#endif
+
+static inline vf vf_splat(float x) { return (vf){0} + x; }
+
+static inline vf vf_load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vf_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf vf_from_bits(vu bits) {
+    vf v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* VF bf16 values widened to float32: zero-extend each to 32 bits, shift into the top. */
+static inline vf vf_load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return vf_from_bits(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline vf vf_load_f16(const uint16_t *p) {
+#if HAVE_FLOAT16
+    vhf h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vf);
+#else
+    float tmp[VF];
+    for (int i = 0; i < VF; i++) tmp[i] = f16_to_f32(p[i]);
+    return vf_load(tmp);
+#endif
+}
+
+/* VF values of a `dtype` array from element `index`, as float32 (dtype a constant after
+ * inlining, so each caller gets one straight-line load). */
+static inline __attribute__((always_inline)) vf vf_load_as(const void *base, int64_t index,
+                                                          const int dtype) {
+    if (dtype == DTYPE_BF16) return vf_load_bf16((const uint16_t *)base + index);
+    if (dtype == DTYPE_F16) return vf_load_f16((const uint16_t *)base + index);
+    return vf_load((const float *)base + index);
+}
+
+/* round to nearest even, NaNs kept quiet: f32_to_bf16 on every lane */
+static inline vh vf_to_bf16(vf v) {
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u);
+    const vu quiet = (bits >> 16) | 0x40u;
+    return __builtin_convertvector((quiet & nan) | (rounded & ~nan), vh);
+}
+
+static inline __attribute__((always_inline)) void vf_store_as(void *base, int64_t index,
+                                                             const int dtype, vf v) {
+    if (dtype == DTYPE_BF16) {
+        const vh h = vf_to_bf16(v);
+        memcpy((uint16_t *)base + index, &h, sizeof h);
+    } else if (dtype == DTYPE_F16) {
+#if HAVE_FLOAT16
+        const vhf h = __builtin_convertvector(v, vhf);
+        memcpy((uint16_t *)base + index, &h, sizeof h);
+#else
+        for (int i = 0; i < VF; i++) ((uint16_t *)base)[index + i] = f32_to_f16(v[i]);
+#endif
+    } else {
+        vf_store((float *)base + index, v);
+    }
+}
+
+static inline float vf_sum(vf v) {
+    float total = 0.0f;
+    for (int i = 0; i < VF; i++) total += v[i];
+    return total;
+}
+
+#endif /* ENGINE_CPU_SIMD_H */
