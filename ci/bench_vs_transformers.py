@@ -2,13 +2,16 @@
 """The reference workloads through this engine and through transformers, side by side.
 
 Both run in this one process, on the same prompts (``engine.benchmarks.workload``: 64
-prompts of 128 random ids, 128 greedy output tokens, EOS ignored), in bfloat16, with the
-same number of threads:
+prompts of 128 random ids, 128 greedy output tokens, EOS ignored), with the same number
+of threads:
 
-* engine: ``LLM(model, dtype="bfloat16")`` with every other setting at its default, all
-  prompts submitted at once;
+* engine: ``LLM(model, dtype=--dtype)`` (default ``auto``: the checkpoint's dtype, which on
+  a CPU without bf16 dot products keeps bf16 weights and computes in float32) with every
+  other setting at its default, all prompts submitted at once;
 * transformers: ``generate`` on one batch (the prompts are equal in length, so the batch
-  needs no padding), greedy, ``min_new_tokens = max_new_tokens`` (EOS ignored).
+  needs no padding), greedy, ``min_new_tokens = max_new_tokens`` (EOS ignored), in
+  ``--hf-dtype`` (default: bfloat16 where the CPU has bf16 dot products, else float32,
+  transformers' faster dtype there).
 
 ``--latency``: the single-stream workload instead (the workload's prompt 0 alone, 128
 in / 128 out): milliseconds per output token after the first, and time to first token.
@@ -34,6 +37,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+
+def _has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as the engine's
+    --dtype auto decides."""
+    from engine.plugins.cpu import kernel_build
+
+    return bool({"avx512_bf16", "amx_bf16"} & kernel_build.cpu_flags())
 
 
 def _transformers_run(model, input_ids, output_len: int) -> tuple[float, int]:
@@ -103,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--latency", action="store_true",
                         help="Single-stream decode ms/token and TTFT instead of throughput.")
+    parser.add_argument("--dtype", default="auto", help="The engine's --dtype (default auto).")
+    parser.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32"],
+                        help="transformers' dtype (default: bfloat16 with bf16 dot products, "
+                             "else float32).")
     args = parser.parse_args(argv)
     if args.latency and args.output_len < 2:
         parser.error("--latency needs --output-len >= 2")
@@ -117,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = args.threads or usable_core_count()
     torch.set_num_threads(threads)
-    llm = LLM(model=args.model, dtype="bfloat16", num_threads=threads)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=threads)
+    runtime = llm.llm_engine.client.core.executor.runtime_info()
+    hf_dtype = args.hf_dtype or ("bfloat16" if _has_bf16_dot() else "float32")
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, hf_dtype)).eval()
     workload = Workload(
         num_prompts=1 if args.latency else args.num_prompts,
         input_len=args.input_len,
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     input_ids = torch.tensor(workload.prompt_token_ids())
 
-    env_threads = f"bf16, {threads} threads"
+    env_threads = f"{threads} threads"
     if args.latency:
         runs = _measure(
             {"engine": lambda: _engine_latency(llm, workload),
@@ -170,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                    "median_tok_s": median, "ratio": ratio}
         title = f"engine vs transformers: {Path(args.model).name}"
     env = environment()
-    rows += [("workload", f"{shape}, {env_threads}"),
+    rows += [("engine runs", f"{runtime.get('isa_level')} kernels, {runtime['weight_dtype']} "
+                             f"weights, {runtime['activation_dtype']} activations"),
+             ("transformers runs", hf_dtype),
+             ("workload", f"{shape}, {env_threads}"),
              ("load avg (1 min)", str(env["load_avg_1m"])),
              ("memory read", f"{env['memory_read_gb_s']} GB/s")]
     print(format_table(rows, title))
     if args.json_path:
-        payload = {"model": args.model, "threads": threads, **payload, "environment": env}
+        payload = {"model": args.model, "threads": threads, "engine_runtime": runtime,
+                   "transformers_dtype": hf_dtype, **payload, "environment": env}
         Path(args.json_path).write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 

@@ -41,7 +41,12 @@ SOURCES = (
 )
 HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h")
 SELFTEST_SOURCE = "selftest_main.c"  # the driver of the cross-built (qemu) self-test
-COMMON_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Wno-unused")
+COMMON_FLAGS = (
+    "-O3", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Wno-unused",
+    # No FP traps or errno to preserve: lets the compiler if-convert (and so vectorize)
+    # selects such as the sigmoid's on levels without masked vector ops.
+    "-fno-trapping-math", "-fno-math-errno",
+)
 LIBRARY_FLAGS = ("-fPIC", "-shared")
 LIBS = ("-lm",)
 ISA_ENV = "ENGINE_CPU_ISA"

@@ -148,6 +148,8 @@ class CPUKernels(FusedOps):
         self.replay_graph = _bind(lib.replay_forward_graph, [_ptr, _i64, ctypes.POINTER(_i64)])
         self._key_splits = _bind(lib.decode_key_splits, [_i32, _ptr, _i32, _i32])
         self._pin_threads = _bind(lib.pin_threads, [ctypes.POINTER(_i32), _i32])
+        self._fma_peak = lib.fma_peak_gflops
+        self._fma_peak.restype, self._fma_peak.argtypes = ctypes.c_double, [_i64]
         self._decode = _bind_op(lib.paged_decode_attention, [
             _ptr, _i64, _i64,  # q, q_req_stride, q_head_stride
             _ptr, _ptr,  # k_cache, v_cache
@@ -192,6 +194,10 @@ class CPUKernels(FusedOps):
         if dtype == torch.bfloat16 and self.has_bf16_dot:
             return KeyLayout.DIM_PAIRS
         return KeyLayout.DIMS_MAJOR
+
+    def fma_peak_gflops(self, rounds: int = 100_000_000) -> float:
+        """This level's float32 multiply-add peak over torch's threads, measured (GFLOP/s)."""
+        return self._fma_peak(rounds)
 
     def pin_threads(self, cpus: list[int]) -> None:
         """Pin OpenMP thread i of torch's pool to ``cpus[i]`` (OSError when refused)."""

@@ -31,6 +31,7 @@
 
 #include "cpu_math.h"
 #include "kernels.h"
+#include "simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,18 +42,19 @@
 #define BF16_KEY_PAIRS 0
 #endif
 
-#define SLICE 16 /* keys per slice, and the vector width the loops are written for */
+#define SLICE VF /* keys per slice: one native vector (16 with AVX-512, 8 with AVX2, 4 else) */
 #define HEADS 4  /* query heads per register block */
 #define PREFETCH_BLOCKS 4 /* how many blocks ahead K/V rows are prefetched */
-#define CHUNK_SLICES 4 /* slices per online-softmax update (64 keys) */
+#define CHUNK_SLICES 4 /* slices per online-softmax update (64 keys with AVX-512) */
 #define MAX_HEAD_SIZE 512
 #define MAX_GROUP 64
 #define MAX_SPLITS 64 /* key ranges per task (flash-decoding) */
 #define MIN_KEYS_PER_SPLIT 256 /* shorter ranges cost more to merge than they save */
 #define MAX_GROUP_ELEMS 8192 /* padded group * head_size: per-thread scratch */
 
-/* 16-lane vectors (GCC/Clang vector extensions: portable, split into whatever width the
- * target has), so accumulators live in registers without target intrinsics. */
+/* Native-width vectors (GCC/Clang vector extensions over simd.h's VF lanes), so the
+ * accumulators live in registers without target intrinsics. A vector wider than the
+ * target's registers would not: the compiler keeps such values in memory. */
 typedef float vfloat __attribute__((vector_size(SLICE * sizeof(float))));
 typedef int32_t vlane __attribute__((vector_size(SLICE * sizeof(int32_t))));
 typedef uint32_t vu32 __attribute__((vector_size(SLICE * sizeof(uint32_t))));
@@ -60,24 +62,6 @@ typedef uint16_t vu16 __attribute__((vector_size(SLICE * sizeof(uint16_t))));
 #if HAVE_FLOAT16
 typedef _Float16 vhalf __attribute__((vector_size(SLICE * sizeof(_Float16))));
 #endif
-
-static inline vlane lane_ids(void) {
-    const vlane ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    return ids;
-}
-
-/* lanes of `a` where `mask` is set, `b` elsewhere */
-static inline vfloat select_lanes(vlane mask, vfloat a, float b) {
-    const vfloat fill = a * 0.0f + b;
-    vu32 ua, ub;
-    memcpy(&ua, &a, sizeof ua);
-    memcpy(&ub, &fill, sizeof ub);
-    const vu32 m = (vu32)mask;
-    const vu32 r = (ua & m) | (ub & ~m);
-    vfloat out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
 
 static inline vfloat load_floats(const float *src) {
     vfloat v;
@@ -126,6 +110,40 @@ static inline __attribute__((always_inline)) vfloat load_keys(const void *base, 
     return load_floats(part);
 }
 
+/* lanes of `a` where `mask` is set, `b` elsewhere */
+static inline vfloat select_mask(vlane mask, vfloat a, float b) {
+    const vfloat fill = a * 0.0f + b;
+    vu32 ua, ub;
+    memcpy(&ua, &a, sizeof ua);
+    memcpy(&ub, &fill, sizeof ub);
+    const vu32 m = (vu32)mask;
+    const vu32 r = (ua & m) | (ub & ~m);
+    vfloat out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline vlane lane_ids(void) {
+#if SLICE == 16
+    const vlane ids = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#elif SLICE == 8
+    const vlane ids = {0, 1, 2, 3, 4, 5, 6, 7};
+#else
+    const vlane ids = {0, 1, 2, 3};
+#endif
+    return ids;
+}
+
+/* the first n lanes of a, `fill` after them */
+static inline vfloat keep_first(vfloat a, int n, float fill) {
+    return select_mask(lane_ids() < n, a, fill);
+}
+
+/* p where x > bound, 0 elsewhere */
+static inline vfloat where_above(vfloat x, float bound, vfloat p) {
+    return select_mask(x > bound, p, 0.0f);
+}
+
 /* lane-wise maximum */
 static inline vfloat max_lanes(vfloat a, vfloat b) {
     vu32 ua, ub;
@@ -138,13 +156,14 @@ static inline vfloat max_lanes(vfloat a, vfloat b) {
     return out;
 }
 
-/* v with its lanes permuted (constant indices): a tree of these reduces 16 lanes in 4
- * steps instead of 15 lane extractions */
+/* v with its lanes permuted (constant indices): a tree of these reduces the lanes in
+ * log2(SLICE) steps instead of SLICE - 1 lane extractions */
 #if defined(__clang__)
 #define PERMUTE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #else
 #define PERMUTE(v, ...) __builtin_shuffle(v, (vlane){__VA_ARGS__})
 #endif
+#if SLICE == 16
 #define REDUCE_LANES(v, combine)                                                           \
     do {                                                                                   \
         v = combine(v, PERMUTE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));  \
@@ -152,6 +171,20 @@ static inline vfloat max_lanes(vfloat a, vfloat b) {
         v = combine(v, PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));  \
         v = combine(v, PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));  \
     } while (0)
+#elif SLICE == 8
+#define REDUCE_LANES(v, combine)                                                           \
+    do {                                                                                   \
+        v = combine(v, PERMUTE(v, 4, 5, 6, 7, 0, 1, 2, 3));                                \
+        v = combine(v, PERMUTE(v, 2, 3, 0, 1, 6, 7, 4, 5));                                \
+        v = combine(v, PERMUTE(v, 1, 0, 3, 2, 5, 4, 7, 6));                                \
+    } while (0)
+#else
+#define REDUCE_LANES(v, combine)                                                           \
+    do {                                                                                   \
+        v = combine(v, PERMUTE(v, 2, 3, 0, 1));                                            \
+        v = combine(v, PERMUTE(v, 1, 0, 3, 2));                                            \
+    } while (0)
+#endif
 #define ADD_LANES(a, b) ((a) + (b))
 
 static inline float lanes_max(vfloat v) {
@@ -175,7 +208,7 @@ static inline vfloat vexp_nonpositive(vfloat x) {
     memcpy(&bits, &p, sizeof bits);
     bits += (vu32)(__builtin_convertvector(n, vlane) << 23);
     memcpy(&p, &bits, sizeof p);
-    return select_lanes(x > -87.0f, p, 0.0f);
+    return where_above(x, -87.0f, p);
 }
 
 /* Ask for one (block, kv head) row of K and of V, 64 bytes at a time. */
@@ -346,7 +379,7 @@ static inline __attribute__((always_inline)) void attend_task(
                     if (soft_cap > 0.0f)
                         for (int l = 0; l < counts[t]; l++)
                             sc[l] = soft_cap * tanhf(sc[l] / soft_cap);
-                    sc = select_lanes(lane_ids() < counts[t], sc, -INFINITY);
+                    sc = keep_first(sc, counts[t], -INFINITY);
                     scores[t][c] = sc;
                     top = max_lanes(top, sc);
                 }
@@ -356,8 +389,8 @@ static inline __attribute__((always_inline)) void attend_task(
                 row_max[g] = new_max;
                 vfloat total = {0};
                 for (int t = 0; t < num_slices; t++) {
-                    const vfloat p = select_lanes(lane_ids() < counts[t],
-                                                  vexp_nonpositive(scores[t][c] - new_max), 0.0f);
+                    const vfloat p = keep_first(vexp_nonpositive(scores[t][c] - new_max),
+                                                counts[t], 0.0f);
                     total += p;
                     memcpy(probs[c] + t * SLICE, &p, sizeof p);
                 }
@@ -526,7 +559,7 @@ int paged_decode_attention(
     int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
     int q_dtype)
 {
-    if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % SLICE != 0 ||
+    if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % 16 != 0 || /* every level */
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
         num_heads / num_kv_heads > MAX_GROUP || block_size <= 0)
         return -1;

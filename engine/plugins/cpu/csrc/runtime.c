@@ -32,6 +32,44 @@ int kernel_features(void)
 }
 
 /*
+ * The level's float32 multiply-add peak, in GFLOP/s over the pool's threads: each thread
+ * runs `rounds` rounds of FMA_CHAINS independent vector multiply-adds (enough chains to
+ * cover the FMA latency on every x86 and Arm core), timed together. What the GEMMs'
+ * "percent of peak" is measured against (ci/bench_gemm.py).
+ */
+#define FMA_CHAINS 12
+double fma_peak_gflops(int64_t rounds)
+{
+    double seconds = 0.0;
+    int threads = 1;
+    float sink = 0.0f;
+#pragma omp parallel reduction(+ : sink)
+    {
+        vf acc[FMA_CHAINS];
+        for (int c = 0; c < FMA_CHAINS; c++)
+            acc[c] = vf_splat(1.0f + 1e-3f * (float)(c + omp_get_thread_num()));
+        const vf scale = vf_splat(0.999999f), shift = vf_splat(1e-7f);
+#pragma omp barrier
+        const double start = omp_get_wtime();
+        for (int64_t r = 0; r < rounds; r++)
+#pragma GCC unroll 12
+            for (int c = 0; c < FMA_CHAINS; c++)
+                acc[c] = acc[c] * scale + shift;
+#pragma omp barrier
+#pragma omp master
+        {
+            seconds = omp_get_wtime() - start;
+            threads = omp_get_num_threads();
+        }
+        for (int c = 0; c < FMA_CHAINS; c++)
+            sink += vf_sum(acc[c]);
+    }
+    volatile float keep = sink; /* the chains' results are used: nothing is optimized out */
+    (void)keep;
+    return seconds > 0 ? 2.0 * VF * FMA_CHAINS * (double)rounds * threads / seconds / 1e9 : 0.0;
+}
+
+/*
  * Pin OpenMP thread i of the pool to CPU cpus[i] (count entries; the pool has at most
  * that many threads). Each thread pins itself inside one parallel region, which is the
  * only way to reach the pool's threads. Returns 0, or -1 when a pin was refused (the
