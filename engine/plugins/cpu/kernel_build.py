@@ -230,10 +230,20 @@ def compile_library(compiler: str, level: IsaLevel, target: Path) -> None:
 
 
 def compile_selftest(compiler: str, level: IsaLevel, target: Path) -> None:
-    """Build the kernels of ``level`` and the self-test driver into one static
-    executable (for another architecture: run it under qemu-user)."""
+    """Build the kernels of ``level`` and the self-test driver (csrc/selftest_main.c)
+    into one static executable: for another architecture, run it under qemu-user."""
     target.parent.mkdir(parents=True, exist_ok=True)
     flags = (*level_flags(level), "-static")
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         objects = _compile_objects(compiler, flags, (*SOURCES, SELFTEST_SOURCE), work)
         _link(compiler, flags, objects, target)
+
+
+def link_selftest(compiler: str, library: Path, target: Path) -> None:
+    """The self-test driver linked against an already built library of this machine."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    flags = ("-O2", "-fopenmp", "-std=gnu11")
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = _compile_objects(compiler, flags, (SELFTEST_SOURCE,), work)
+        _link(compiler, (*flags, f"-Wl,-rpath,{library.parent}"), [*objects, str(library)],
+              target)

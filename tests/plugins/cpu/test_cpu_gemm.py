@@ -17,37 +17,19 @@ from engine.model_executor.layers.linear import (
 from engine.plugins.cpu import gemm as cpu_gemm
 from engine.plugins.cpu.gemm import CPUPackedGemm, CPUPlainGemm, OneDNNPackedGemm
 from engine.plugins.cpu.platform import CPUPlatform
+from tests.plugins.cpu.references import BF16, F16, F32
+from tests.plugins.cpu.references import assert_gemm_close as _assert_close
 
 CPU = torch.device("cpu")
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (activations, weights): what the engine runs -- one dtype, or narrow weights computed in
 # float32 (a bf16 / fp16 checkpoint on a CPU without native arithmetic for it).
 DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16), (F32, F16)]
 _PAIR_IDS = [f"{str(a)[6:]}-x-{str(w)[6:]}-w" for a, w in DTYPE_PAIRS]
-_UNIT = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}  # half an ulp, relative
 
 
 def _spec(dtype: torch.dtype, act: torch.dtype | None = None, **kw) -> DenseLayerSpec:
     return DenseLayerSpec(kw.get("in_features", 8), kw.get("out_features", 16), dtype,
                           kw.get("device", CPU), activation_dtype=act)
-
-
-def _reference(x, weight, bias):
-    """float64 product of the operands' exact values, and how far an output in x's dtype
-    may be from it: one rounding to that dtype plus float32 sums over K terms."""
-    ref = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
-    magnitude = x.double().abs() @ weight.double().abs().T
-    k = x.shape[-1]
-    tol = ref.abs() * _UNIT[x.dtype] * 1.01 + magnitude * k * 2.0**-23 + 1e-6
-    return ref, tol
-
-
-def _assert_close(y, x, weight, bias=None):
-    ref, tol = _reference(x, weight, bias)
-    assert y.dtype == x.dtype and y.shape == ref.shape
-    bad = (y.double() - ref).abs() > tol
-    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} values off; worst " \
-        f"{float(((y.double() - ref).abs() - tol).max()):.3g} over the tolerance"
 
 
 def _operands(gen, m, n, k, act, wdt, with_bias):

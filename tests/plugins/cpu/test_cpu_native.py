@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import SamplingParams
 from engine.core.interfaces import AttentionLayerSpec
 from engine.plugins.cpu import kernel_build, native
 
@@ -263,3 +264,24 @@ def test_bad_arguments_are_refused(kernels):
         cache24 = _cache(2, 1, 4, 24, torch.float32, gen)
         query24 = torch.randn(1, 2, 24)
         kernels.paged_decode_attention(query24, _keys(cache24, kernels), cache24, tables, lens, 1.0)
+
+
+def test_the_engine_runs_the_native_kernels_of_its_level(llama_dir):
+    """Fails when no C kernel ran: an engine that fell back to torch ops (a failed build,
+    a missing compiler) would still pass every numerical test. Every linear gets the C
+    GEMM of this CPU's level, attention and the fused ops are the C kernels, and decode
+    steps replay forward graphs, which hold nothing but C kernel calls."""
+    from tests.helpers.hf_reference import cpu_llm
+
+    llm = cpu_llm(llama_dir)
+    executor = llm.llm_engine.client.core.executor
+    info = executor.runtime_info()
+    level = kernel_build.select_level().name
+    assert info["isa_level"] == level
+    assert set(info["gemm_kernels"]) == {f"cpu_packed ({level})"}, info["gemm_kernels"]
+    model = executor.runner.model.model
+    assert model.layers[0].self_attn.attn.impl.kernels is not None
+    assert model.norm.fused_ops is not None
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert executor.runner.decode_graphs.captured_sizes == [2]  # both decode together
