@@ -214,7 +214,7 @@ def _narrow_weight_levels() -> list[str]:
     bf16 checkpoint's weights and computes in float32), lowest first."""
     from engine.plugins.cpu import kernel_build
 
-    return [lv.name for lv in kernel_build.runnable_levels() if lv.name != "avx512_bf16"]
+    return [lv.name for lv in kernel_build.runnable_levels() if not lv.bf16_dot]
 
 
 @pytest.mark.parametrize(

@@ -53,8 +53,7 @@ VARIANTS = [
 def narrow_weights_level() -> str:
     """The best ISA level this CPU runs without bf16 dot products: where ``--dtype auto``
     keeps a bf16 checkpoint's weights and computes in float32."""
-    return [lv.name for lv in kernel_build.runnable_levels()
-            if lv.name not in ("avx512_bf16", "amx")][-1]
+    return [lv.name for lv in kernel_build.runnable_levels() if not lv.bf16_dot][-1]
 
 
 @pytest.mark.parametrize(

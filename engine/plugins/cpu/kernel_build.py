@@ -10,6 +10,7 @@ sse2          -march=x86-64               every x86-64 CPU
 avx2          -march=x86-64-v3            Haswell, Zen 1 and later (avx2, fma, f16c, ...)
 avx512        -march=x86-64-v4            Skylake-SP, Zen 4 and later (avx512f/bw/cd/dq/vl)
 avx512_bf16   + -mavx512bf16              Cooper Lake, Sapphire Rapids, Zen 4 (avx512_bf16)
+amx           + -mamx-tile -mamx-bf16     Sapphire Rapids and later (amx_tile, amx_bf16)
 neon          -march=armv8-a              every aarch64 CPU
 generic       (none)                      any other architecture: plain C
 ============  ==========================  =====================================
@@ -39,7 +40,7 @@ from pathlib import Path
 SOURCES = (
     "paged_decode_attention.c", "elementwise.c", "gemm.c", "forward_graph.c", "runtime.c",
 )
-HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h")
+HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h", "gemm_amx.h")
 SELFTEST_SOURCE = "selftest_main.c"  # the driver of the cross-built (qemu) self-test
 COMMON_FLAGS = (
     "-O3", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Wno-unused",
@@ -65,6 +66,7 @@ class IsaLevel:
     flags: tuple[str, ...]
     requires: frozenset[str]  # /proc/cpuinfo flags the CPU must have
     rank: int  # higher: faster, when the CPU runs it
+    bf16_dot: bool = False  # multiplies bf16 natively (--dtype auto keeps bf16 activations)
 
     def runs_on(self, machine: str, cpu_flags: frozenset[str]) -> bool:
         if not self.arch:  # plain C: the architectures without levels of their own
@@ -86,7 +88,11 @@ LEVELS: dict[str, IsaLevel] = {
         IsaLevel("avx512", "x86_64", ("-march=x86-64-v4", "-mtune=generic"), _X86_V4, 3),
         IsaLevel("avx512_bf16", "x86_64",
                  ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16"),
-                 _X86_V4 | {"avx512_bf16"}, 4),
+                 _X86_V4 | {"avx512_bf16"}, 4, bf16_dot=True),
+        IsaLevel("amx", "x86_64",
+                 ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mamx-tile",
+                  "-mamx-bf16", "-DENGINE_AMX=1"),
+                 _X86_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, 5, bf16_dot=True),
         IsaLevel("neon", "aarch64", ("-march=armv8-a",), frozenset(), 1),
     )
 }

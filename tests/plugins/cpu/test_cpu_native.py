@@ -82,6 +82,8 @@ def test_the_levels_a_cpu_runs_follow_its_flags(monkeypatch):
         "sse2", "avx2", "avx512", "avx512_bf16"]
     no_bf16 = ZEN4 - {"avx512_bf16"}  # Skylake-SP / Ice Lake
     assert kernel_build.select_level(no_bf16, "x86_64").name == "avx512"
+    spr = ZEN4 | {"amx_tile", "amx_bf16"}
+    assert kernel_build.select_level(spr, "x86_64").name == "amx"
     assert kernel_build.select_level(ZEN2 - {"fma"}, "x86_64").name == "sse2"
     assert _names(kernel_build.runnable_levels(frozenset(), "aarch64")) == ["neon"]
     assert _names(kernel_build.runnable_levels(frozenset(), "riscv64")) == ["generic"]
@@ -105,9 +107,12 @@ def test_each_library_is_its_level(kernels):
     """The library says which level it was built for, with that level's vector width
     and native paths (vdpbf16ps only where the level has AVX512-BF16)."""
     assert kernels.level in kernel_build.LEVELS
-    lanes = {"sse2": 4, "avx2": 8, "avx512": 16, "avx512_bf16": 16, "neon": 4, "generic": 4}
+    lanes = {"sse2": 4, "avx2": 8, "avx512": 16, "avx512_bf16": 16, "amx": 16, "neon": 4,
+             "generic": 4}
     assert kernels.vector_lanes == lanes[kernels.level]
-    assert kernels.has_bf16_dot == (kernels.level == "avx512_bf16")
+    assert kernels.has_bf16_dot == kernel_build.LEVELS[kernels.level].bf16_dot
+    # the amx level's tiles passed their load-time self-check (else it would say no AMX)
+    assert kernels.has_amx == (kernels.level == "amx")
     assert kernels.key_layout(torch.bfloat16).pack == (2 if kernels.has_bf16_dot else 1)
     assert kernels.key_layout(torch.float32).pack == 1
 

@@ -65,6 +65,10 @@
 
 #include "gemm_bf16.h" /* the native bf16 paths (uses PANEL-independent layouts) */
 
+/* 1 when this library multiplies bf16 on AMX tiles in this process (runtime.c reports
+ * it; the tiles' permission and self-check run once, here). */
+int gemm_amx_ready(void) { return amx_usable(); }
+
 static inline int64_t panel_width(int64_t p, int64_t n) {
     const int64_t left = n - p * PANEL;
     return left < PANEL ? left : PANEL;

@@ -169,9 +169,9 @@ static void bf16_rows_times_panel(int rows, int64_t width, const uint16_t *x, in
  * decode: 3.5-3.7 ms per token against 4.0-4.7 ms with the ordinary hint, in alternating
  * runs. Larger M re-read each panel from L2 per block of rows and keep it there.
  */
-static int gemm_bf16_pairs(const uint16_t *x, int64_t ldx, const uint16_t *packed,
-                   const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m, int64_t n,
-                   int64_t k)
+static int gemm_bf16_vector(const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                            const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m,
+                            int64_t n, int64_t k)
 {
     if (m < 0 || n <= 0 || k <= 0 || n % 16 || k % 2 || ldx < k || ldo < n)
         return -1;
@@ -251,6 +251,32 @@ static inline __attribute__((always_inline)) void bf16_plain_rows_block(
  * out [M, N] = x [M, K] times a plain row-major W [N, K] (row stride ldw), plus bias
  * [N] when not NULL, for M <= BF16_GEMV_ROWS. 0, or -1 for sizes it does not take.
  */
+#if defined(ENGINE_AMX)
+#include "gemm_amx.h"
+#endif
+
+/* Whether this library's AMX tiles are usable in this process (decided once). */
+static inline int amx_usable(void) {
+#if defined(ENGINE_AMX)
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* The pair-layout GEMM: AMX tiles where they cover the shape and the process may use
+ * them, vdpbf16ps register blocks otherwise. */
+static int gemm_bf16_pairs(const uint16_t *x, int64_t ldx, const uint16_t *packed,
+                           const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m,
+                           int64_t n, int64_t k)
+{
+#if defined(ENGINE_AMX)
+    if (m >= 0 && n > 0 && n % 16 == 0 && ldx >= k && ldo >= n && amx_covers(m, k) && amx_ready())
+        return gemm_amx(x, ldx, packed, bias, out, ldo, m, n, k);
+#endif
+    return gemm_bf16_vector(x, ldx, packed, bias, out, ldo, m, n, k);
+}
+
 /* BF16_GEMV_ROWS (or fewer: m) rows of x against wr (<= BF16_GEMV_W_ROWS) weight rows. */
 static void bf16_plain_group(int64_t m, int64_t wr, const uint16_t *x, int64_t ldx,
                              const uint16_t *w, int64_t ldw, const uint16_t *bias,
@@ -299,6 +325,8 @@ static inline int native_bf16_plain(int64_t m, int wdt, int adt) {
 }
 
 #else /* no native bf16 products: gemm.c's float32 paths take every call */
+
+static inline int amx_usable(void) { return 0; }
 
 static inline int native_bf16_plain(int64_t m, int wdt, int adt) {
     (void)m, (void)wdt, (void)adt;

@@ -14,6 +14,8 @@
 
 enum { FEATURE_BF16_DOT = 1, FEATURE_AMX = 2 };
 
+int gemm_amx_ready(void); /* gemm.c */
+
 /* The ISA level this library was built for (kernel_build.LEVELS names). */
 const char *isa_level(void) { return ENGINE_ISA_LEVEL; }
 
@@ -25,9 +27,7 @@ int kernel_features(void)
 {
     int features = 0;
     if (HAVE_BF16_DOT) features |= FEATURE_BF16_DOT;
-#if defined(ENGINE_AMX)
-    features |= FEATURE_AMX;
-#endif
+    if (gemm_amx_ready()) features |= FEATURE_AMX;
     return features;
 }
 
