@@ -258,8 +258,10 @@ def _validate(
         raise ValueError(f"head_size must be >= 16, got {head_size}")
     if out.shape != q.shape:
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+    # The cache may be narrower than q (float32 activations over a bf16 cache): every
+    # value is widened to float32 as it is loaded.
     for name, tensor in (("q", q), ("kv_cache", kv_cache), ("out", out)):
         check_dtype(name, tensor)
     num_reqs = seq_lens.shape[0]

@@ -6,6 +6,7 @@ because the interpreter executes every program in numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -143,9 +144,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         _run(batch, 1.0)
     batch = make_batch([(2, 4)], 2, 2, 32, 8, torch.float32, gen)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="out dtype"):
         unified_attention(
-            batch.q.half(),
+            batch.q,
             batch.kv_cache,
             batch.q.half(),
             batch.query_start_loc,
@@ -169,3 +170,15 @@ def test_bad_inputs_raise_clear_errors():
         )
     with pytest.raises(ValueError, match="num_kv_splits"):
         _run(batch, 1.0, num_kv_splits=0)
+
+
+def test_float32_queries_over_a_bf16_cache():
+    """The cache may be narrower than the activations (a bf16 checkpoint computed in
+    float32): K/V are widened as they load, the output stays float32."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch(MIXED, 4, 2, 32, 16, torch.bfloat16, gen)
+    wide = dataclasses.replace(batch, q=batch.q.float())
+    out = _run(wide, 0.2)
+    assert out.dtype == torch.float32
+    expected = reference_attention(wide, 0.2, None, None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)

@@ -32,7 +32,9 @@
  *
  * gemm_plain serves a weight that must keep its plain [N, K] layout (an LM head shared
  * with the embedding): dot products of x rows with weight rows, a task of GEMM_TASK_ROWS
- * weight rows at a time, so those rows stay in cache while every row of x passes.
+ * weight rows at a time, so those rows stay in cache while every row of x passes; from
+ * PLAIN_PACK_ROWS rows of x, where the dot products' lane reductions would dominate, each
+ * task transposes its rows into a panel and runs the prefill schedule instead.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,9 +61,7 @@
 #define GEMM_TASK_ROWS 64 /* weight rows per gemm_plain work item */
 #define PLAIN_XR 4 /* rows of x per gemm_plain register block */
 #define PLAIN_WR (VREGS >= 32 ? 4 : 2) /* weight rows per gemm_plain register block */
-#ifndef PLAIN_PACK_ROWS
 #define PLAIN_PACK_ROWS 24 /* rows of x from which gemm_plain packs panels on the fly */
-#endif
 
 #include "gemm_bf16.h" /* the native bf16 paths (uses PANEL-independent layouts) */
 
