@@ -68,6 +68,13 @@ def test_throughput(tmp_path, llama_dir):
     assert results["output_tokens"] == 3 * 4 and results["prompt_tokens"] == 3 * 8
     assert _is_median_of(results["output_tok_s"], 2) and _is_median_of(results["elapsed_s"], 2)
     assert results["output_tok_s"]["median"] > 0
+    # What it ran on: the platform's ISA level and the kernel of every linear.
+    from engine.plugins.cpu import kernel_build
+
+    runtime = report["runtime"]
+    assert runtime["platform"] == "cpu" and runtime["isa_level"] == kernel_build.select_level().name
+    assert runtime["activation_dtype"] == report["activation_dtype"] == "float32"
+    assert sum(runtime["gemm_kernels"].values()) == 2 * 4 + 1  # 2 layers x 4 linears + head
     assert report["environment"]["torch_threads"] >= 1
     assert report["environment"]["memory_read_gb_s"] > 0  # the bandwidth batch-1 decode had
 

@@ -203,6 +203,7 @@ def test_table_lists_in_tree_plugins_and_auto_choice() -> None:
             _row(out, "cuda")[4] == f"unavailable: torch {torch.__version__} was built without CUDA"
         )
     assert out.rstrip().endswith("--device auto -> cpu")
+    assert any(line.startswith("cpu kernels: isa_level: ") for line in out.splitlines())
 
 
 @no_accelerator
@@ -215,7 +216,14 @@ def test_json_report() -> None:
     assert (cpu["status"], cpu["distribution"], cpu["api_version"]) == ("ok", "engine", 1)
     (platform,) = cpu["platforms"]
     assert platform["name"] == "cpu" and platform["available"] is True
+    from engine.plugins.cpu import kernel_build
+
+    kernels = platform["kernels"]  # the CPU's ISA level, every level it runs, the GEMM order
+    assert kernels["isa_level"] == kernel_build.select_level().name
+    assert kernels["isa_levels_runnable"] == [lv.name for lv in kernel_build.runnable_levels()]
+    assert kernels["gemm_order"][0] in ("cpu_packed", "onednn_packed")
     rocm = plugins["rocm"]["platforms"][0]
+    assert rocm["kernels"] == {}  # unavailable platforms are not asked
     assert rocm["device_type"] == "cuda" and rocm["available"] is False and rocm["reason"]
 
 

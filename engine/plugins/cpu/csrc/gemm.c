@@ -55,7 +55,7 @@
 #define GEMM_VECS 2 /* 8 + 2 + 1 of 16 */
 #endif
 #define PANEL (GEMM_VECS * VF)
-#define GEMM_CHUNK 48 /* rows of x per prefill work item */
+#define GEMM_CHUNK 96 /* rows of x per prefill work item */
 #define GEMM_KC (4096 / PANEL) /* k per widened block: 16 KB of float32 weights */
 #define PREFETCH_AHEAD 1024 /* bytes ahead of the streamed panel */
 #define GEMM_TASK_ROWS 64 /* weight rows per gemm_plain work item */
