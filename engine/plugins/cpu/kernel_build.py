@@ -35,6 +35,7 @@ import platform
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 SOURCES = (
@@ -111,7 +112,9 @@ def machine() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
 
 
+@cache
 def _cpu_flags_line() -> str:
+    """The flags line of /proc/cpuinfo, read once (it is long on many-core machines)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -545,7 +545,3 @@ def _load_level(name: str) -> CPUKernels | None:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)
         return None
 
-
-def clear_kernel_cache() -> None:
-    """Forget loaded libraries (after ``$ENGINE_CPU_ISA`` changed, in tests)."""
-    _load_level.cache_clear()
