@@ -336,12 +336,14 @@ static inline __attribute__((always_inline)) void plain_block(
             acc[r][v] = vf_splat(0.0f);
     }
     int64_t i = 0;
-    if (dual)
+    if (dual) /* one row of x: the weight rows stream from memory, prefetched ahead */
         for (; i + 2 * VF <= k; i += 2 * VF) {
             const vf x0 = vf_load(x + i), x1 = vf_load(x + i + VF);
             for (int v = 0; v < WR; v++) {
-                acc[0][v] += x0 * vf_load_as(w, (n0 + v) * ldw + i, wdt);
-                odd[v] += x1 * vf_load_as(w, (n0 + v) * ldw + i + VF, wdt);
+                const int64_t at = (n0 + v) * ldw + i;
+                __builtin_prefetch((const char *)w + at * dtype_size(wdt) + PREFETCH_AHEAD, 0, 0);
+                acc[0][v] += x0 * vf_load_as(w, at, wdt);
+                odd[v] += x1 * vf_load_as(w, at + VF, wdt);
             }
         }
     for (; i + VF <= k; i += VF) {
@@ -373,10 +375,12 @@ static inline __attribute__((always_inline)) void plain_block(
     default: plain_block(PLAIN_XR, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break; \
     }
 
-/* PLAIN_WR weight rows per block; the task's last few one at a time */
+/* PLAIN_WR weight rows per block; the task's last few one at a time, and every row one at
+ * a time against a single row of x: one weight row is then one sequential stream, which
+ * the prefetchers follow at memory speed (two interleaved rows streamed at ~2/3 of it) */
 #define PLAIN_FOR_WROWS(WDT)                                                               \
     do {                                                                                   \
-        if (wrows == PLAIN_WR) {                                                           \
+        if (wrows == PLAIN_WR && xrows > 1) {                                              \
             PLAIN_FOR_XROWS(PLAIN_WR, WDT);                                                \
         } else {                                                                           \
             for (int64_t n = n0; n < n0 + wrows; n++) PLAIN_FOR_XROWS(1, WDT);             \

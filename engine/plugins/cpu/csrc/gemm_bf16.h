@@ -211,6 +211,8 @@ static inline __attribute__((always_inline)) void bf16_plain_rows_block(
         int64_t i = 0;
         for (; i + 64 <= k; i += 64) {
             const uint16_t *row = w + (n0 + v) * ldw + i;
+            if (R == 1) /* streamed once: fetch ahead, past the caches */
+                _mm_prefetch((const char *)row + 1024, _MM_HINT_NTA);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + 32);
             for (int r = 0; r < R; r++) {
