@@ -34,6 +34,10 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  show_default=True),
     click.option("--enforce-eager", is_flag=True, default=False,
                  help="Run every step eagerly (no forward graphs for decode steps)."),
+    click.option("--quantization", "-q", default=None,
+                 help="Quantization method (vLLM's names: compressed-tensors, gptq, awq, fp8, "
+                      "gptq_marlin, ...); default: the checkpoint's. fp8 of an unquantized "
+                      "checkpoint quantizes it at load."),
     click.option("--generation-config", default="auto", show_default=True,
                  help="Sampling defaults: 'auto' (the model's generation_config.json), "
                       "'vllm' (none) or a directory holding a generation_config.json."),
@@ -43,7 +47,7 @@ ENGINE_OPTION_NAMES = (
     "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
     "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
-    "seed", "scheduling_policy", "generation_config", "enforce_eager",
+    "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
 )
 
 

@@ -40,6 +40,8 @@ class ModelConfig(BaseModel):
     generation_config: str = "auto"
     # Run every step eagerly: no forward graphs (CUDA graphs / CPU call tables).
     enforce_eager: bool = False
+    # vLLM's --quantization: None follows the checkpoint (engine.quantization).
+    quantization: str | None = None
 
     @property
     def tokenizer_path(self) -> str:

@@ -75,6 +75,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
+    quantization: str | None = None  # None: the checkpoint's; vLLM's names
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -104,6 +105,9 @@ class EngineArgs:
         files = load_model_files(path)
         load_sampling_defaults(path, self.generation_config)  # a bad value fails here
         dtype = resolve_dtype(files.hf_config, self.dtype)
+        from engine.quantization import resolve_quantization
+
+        resolve_quantization(files.hf_config, self.quantization)  # a bad one fails here
         max_model_len = get_max_model_len(files.hf_config, self.max_model_len)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -120,6 +124,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 generation_config=self.generation_config,
                 enforce_eager=self.enforce_eager,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -46,11 +46,16 @@ class Executor:
         self.attn_backend = backend_cls(block_size, platform.device())
         self.model = load_model(
             config.model.model, dtype, platform.device(), self.attn_backend,
+            quantization=config.model.quantization,
             dense_gemm_kernels=platform.dense_gemm_kernels(),
+            quantized_gemm_kernels=platform.quantized_gemm_kernels(),
             fused_ops=platform.fused_ops(),
             activation_dtype=activation,
         )
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # quantized layers keep their packed weights as buffers: count what is held
+        tensors = (*self.model.parameters(), *self.model.buffers())
+        weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.weights_bytes = weights_bytes
 
         # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
         # float32 keeps bf16 K/V, which the attention kernels widen as they read.
@@ -80,22 +85,34 @@ class Executor:
         kernel_info (the CPU's ISA level)."""
         kernels: dict[str, int] = {}
         for module in self.model.modules():
-            if hasattr(module, "gemm_kernel") and getattr(module, "weight", None) is not None:
+            kernel = getattr(module, "quant_kernel", None)
+            if kernel is None and hasattr(module, "gemm_kernel") and getattr(
+                    module, "weight", None) is not None:
                 kernel = module.gemm_kernel
-                name = "F.linear" if kernel is None else getattr(kernel, "description",
-                                                                  kernel.name)
-                kernels[name] = kernels.get(name, 0) + 1
+            elif kernel is None:
+                continue
+            name = "F.linear" if kernel is None else getattr(kernel, "description", kernel.name)
+            kernels[name] = kernels.get(name, 0) + 1
         model = self.config.model
         return {
             "platform": self.platform.name,
             "attention_backend": self.attn_backend.name,
             "weight_dtype": model.dtype,
+            "quantization": self._quantization_name(),
+            "weights_mib": round(self.weights_bytes / 2**20, 2),
             "activation_dtype": model.activation_dtype or model.dtype,
             "kv_cache_dtype": str(self.kv_spec.dtype).removeprefix("torch."),
             "gemm_kernels": kernels,
             "forward_graphs": self.runner.decode_graphs is not None,
             **self.platform.kernel_info(),
         }
+
+    def _quantization_name(self) -> str | None:
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if getattr(module, "quant_kernel", None) is not None:
+                return method.scheme
+        return None
 
     def _activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """What the model computes in: the config's activation dtype, else for ``--dtype

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.core.interfaces import AttentionBackend, DenseGemmKernel, FusedOps
+from engine.core.interfaces import AttentionBackend, DenseGemmKernel, FusedOps, QuantizedGemmKernel
 from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
@@ -142,6 +142,8 @@ def _weight_files(path: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{index} names shard files that are missing: {missing}")
         return files
+    if (path / "model.safetensors").is_file():  # transformers' single file: other
+        return [path / "model.safetensors"]       # *.safetensors beside it are not weights
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
@@ -246,56 +248,79 @@ def get_max_model_len(hf_config: Any, requested: int | None = None) -> int:
     return requested
 
 
+def finish_quantized_layers(
+    net: nn.Module, plan: Any, kernels: list[type[QuantizedGemmKernel]]
+) -> dict[str, int]:
+    """Decode every quantized linear's loaded tensors and hand them to the first kernel
+    that accepts the layer; how many layers each kernel took."""
+    from engine.quantization.base import QuantizedLinearMethod
+
+    taken: dict[str, int] = {}
+    for name, module in net.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, QuantizedLinearMethod):
+            continue
+        try:
+            kernel = method.finish_loading(module, kernels, plan.kernel_filter)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+        taken[kernel.name] = taken.get(kernel.name, 0) + 1
+    return taken
+
+
 def load_model(
     model: str | Path | ModelFiles,
     dtype: torch.dtype | str,
     device: torch.device | str,
     attn_backend: AttentionBackend,
     *,
-    quant_config: Any = None,
+    quantization: str | None = None,
     dense_gemm_kernels: Sequence[type[DenseGemmKernel]] = (),
+    quantized_gemm_kernels: Sequence[type[QuantizedGemmKernel]] = (),
     fused_ops: FusedOps | None = None,
     activation_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
     ``dtype`` is the weights' dtype, ``activation_dtype`` (None: the same) the one the
-    model computes in. ``dense_gemm_kernels`` (the platform's, in preference order) then
-    repack the unquantized linear weights they accept, once, for the platform's fastest
-    GEMM; ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
+    model computes in. A quantized checkpoint (or ``quantization``, vLLM's
+    ``--quantization``) loads through its format (:mod:`engine.quantization`), each
+    quantized linear taking the first of ``quantized_gemm_kernels`` that accepts it.
+    ``dense_gemm_kernels`` (the platform's, in preference order) then repack the
+    unquantized linear weights they accept, once, for the platform's fastest GEMM;
+    ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
+    from engine.quantization import resolve_quantization
+
     files = model if isinstance(model, ModelFiles) else load_model_files(model)
     hf_config = files.hf_config
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant and quant_config is None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"{files.path} is a quantized checkpoint ({method}); this loader reads only "
-            "unquantized weights"
-        )
+    plan = resolve_quantization(hf_config, quantization)
     dtype = resolve_dtype(hf_config, dtype)
     compute = dtype if activation_dtype is None else resolve_dtype(hf_config, activation_dtype)
     ctx = ModelInitContext(
         dtype=compute,
         device=torch.device(device),
         attn_backend=attn_backend,
-        quant_config=quant_config,
+        quantization=plan,
         fused_ops=fused_ops,
         weight_dtype=dtype,
     )
     with torch.no_grad():
         net = files.model_cls(hf_config, ctx)
         net.load_weights(safetensors_weights_iterator(files.weight_files))
+        quantized = finish_quantized_layers(net, plan, list(quantized_gemm_kernels))
         packed = pack_dense_weights(net, list(dense_gemm_kernels))
     net.eval()
     net.requires_grad_(False)
     logger.info(
         "loaded %s (%s) from %s: %s weights, %s activations; %d linear weights repacked "
-        "for the platform GEMM",
+        "for the platform GEMM%s",
         files.architecture,
         files.model_cls.__name__,
         files.path,
         _dtype_name(dtype),
         _dtype_name(compute),
         packed,
+        "" if plan is None else f"; {plan.describe()}: " + ", ".join(
+            f"{name} x{count}" for name, count in quantized.items()),
     )
     return net

@@ -84,12 +84,6 @@ def load_named_weights(
         except ValueError as exc:
             raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r}: {exc}") from exc
         loaded.add((name, shard_id))
-    if unexpected:
-        shown = ", ".join(sorted(unexpected)[:10])
-        more = f" (and {len(unexpected) - 10} more)" if len(unexpected) > 10 else ""
-        raise ValueError(
-            f"checkpoint has {len(unexpected)} tensor(s) the model does not expect: {shown}{more}"
-        )
     optional = set(optional)
     missing: list[str] = []
     for name, param in params.items():
@@ -101,8 +95,17 @@ def load_named_weights(
         lacking = [s for s in shard_ids if (name, s) not in loaded]
         if lacking and name not in optional:
             missing.append(f"{name} (shards {lacking})")
+    problems = []
+    if unexpected:  # both lists together: a wrong format shows as "has X, lacks Y"
+        problems.append(f"checkpoint has {len(unexpected)} tensor(s) the model does not "
+                        f"expect: {_first_ten(sorted(unexpected))}")
     if missing:
-        shown = ", ".join(missing[:10])
-        more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s): {shown}{more}")
+        problems.append(f"checkpoint lacks {len(missing)} tensor(s): {_first_ten(missing)}")
+    if problems:
+        raise ValueError("; ".join(problems))
     return {name for name, _ in loaded}
+
+
+def _first_ten(names: list[str]) -> str:
+    more = f" (and {len(names) - 10} more)" if len(names) > 10 else ""
+    return ", ".join(names[:10]) + more

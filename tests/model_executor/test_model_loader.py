@@ -20,6 +20,7 @@ from engine.model_executor.model_loader import (
     resolve_dtype,
 )
 from engine.plugins.cpu.attention import CPUAttentionBackend
+from tests.helpers.engine_logits import prefill_logits as _prefill_logits
 
 CPU = torch.device("cpu")
 
@@ -56,25 +57,7 @@ def backend():
 
 
 def prefill_logits(model, tokens):
-    """Whole-prompt prefill through a fresh paged cache (blocks 0..n-1)."""
-    be = backend()
-    spec = model.kv_cache_spec()
-    n = len(tokens)
-    nblocks = -(-n // 4)
-    shape = be.get_kv_cache_shape(nblocks, 4, spec.num_kv_heads, spec.head_size)
-    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
-    batch = AttentionBatch(
-        num_reqs=1,
-        num_tokens=n,
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(nblocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(n),
-        max_query_len=n,
-        max_seq_len=n,
-    )
-    with torch.no_grad(), set_forward_context(ForwardContext(be.build_metadata(batch), caches)):
-        return model.compute_logits(model(torch.tensor(tokens), torch.arange(n)))
+    return _prefill_logits(model, tokens, block_size=4)
 
 
 # -- directory checks -----------------------------------------------------------------------
@@ -185,12 +168,14 @@ def test_absent_lm_head_ties_to_embedding(model_dir, tmp_path):
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
 
 
-def test_quantized_checkpoint_is_refused(model_dir, tmp_path):
+def test_quantized_config_without_quantized_tensors_is_a_clear_error(model_dir, tmp_path):
+    """A config that declares AWQ over a plain checkpoint names the tensor it lacks."""
     path = copy_dir(model_dir[1], tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 16,
+                                  "zero_point": True, "version": "gemm"}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized checkpoint"):
+    with pytest.raises(ValueError, match="qweight"):
         load_model(path, "auto", CPU, backend())
 
 

@@ -15,13 +15,21 @@ from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.graphs import ForwardGraph, ForwardGraphCapturer, GraphCaptureError
 from engine.core.interfaces.platform import Platform, ProbeResult
-from engine.core.interfaces.quant import QuantizedGemmKernel, QuantizedLayerSpec, QuantMethod
+from engine.core.interfaces.quant import (
+    ActivationQuant,
+    QuantizedGemmKernel,
+    QuantizedLayerSpec,
+    QuantizedWeights,
+    QuantMethod,
+    select_quantized_kernel,
+)
 
 # Version of this plugin API; a plugin declares the version it was written against.
 PLUGIN_API_VERSION = 1
 
 __all__ = [
     "PLUGIN_API_VERSION",
+    "ActivationQuant",
     "AttentionBackend",
     "AttentionBatch",
     "AttentionImpl",
@@ -38,4 +46,6 @@ __all__ = [
     "QuantMethod",
     "QuantizedGemmKernel",
     "QuantizedLayerSpec",
+    "QuantizedWeights",
+    "select_quantized_kernel",
 ]

@@ -15,10 +15,18 @@ Merged layers (``qkv_proj``, ``gate_up_proj``) concatenate several checkpoint te
 along the output dimension so one GEMM replaces two or three; their parameters carry a
 ``weight_loader(param, tensor, shard_id)`` that copies one checkpoint tensor into its
 slice, and ``shard_ids`` so the loader can tell which slices are still missing.
+
+Every parameter says how its dims map onto the layer's features (:class:`ParamLayout`):
+which dim indexes output features, which input features, which is packed and by how
+much (eight int4 codes per int32, 128 output rows per FP8 block scale), or whether it
+holds one entry per fused shard (per-tensor scales). A shard's slice is derived from
+that alone, so dense weights, packed quantized tensors, group scales and zero points
+all load through the same two functions, and so will tensor-parallel shards.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -109,6 +117,47 @@ def dense_spec(
                           activation_dtype)
 
 
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a linear parameter's dims map onto the layer's features.
+
+    ``output_dim`` / ``input_dim``: the dims indexing output / input features (None: the
+    parameter has none). ``packed_dim``: a dim whose stored elements each cover
+    ``packed_factor`` features (int4 codes in an int32: 8; a 128 x 128 block scale: 128).
+    ``per_shard``: dim 0 has one entry per fused shard (a per-tensor scale of each of
+    q, k and v)."""
+
+    output_dim: int | None = 0
+    input_dim: int | None = 1
+    packed_dim: int | None = None
+    packed_factor: int = 1
+    per_shard: bool = False
+
+    def shard_slice(self, param: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+        """The part of ``param`` that output features ``[offset, offset + size)`` own."""
+        if self.output_dim is None:
+            return param
+        if self.packed_dim == self.output_dim and self.packed_factor > 1:
+            factor = self.packed_factor
+            if offset % factor or size % factor:
+                raise ValueError(f"a shard of {size} output features at {offset} does not "
+                                 f"align with {factor} features per stored element")
+            offset, size = offset // factor, size // factor
+        return param.narrow(self.output_dim, offset, size)
+
+
+DENSE_WEIGHT = ParamLayout(output_dim=0, input_dim=1)
+OUTPUT_VECTOR = ParamLayout(output_dim=0, input_dim=None)  # a bias
+
+
+def param_layout(param: torch.Tensor) -> ParamLayout:
+    """A parameter's layout (dense ``[out, in]`` weights and biases need no annotation)."""
+    layout = getattr(param, "feature_layout", None)  # (``Tensor.layout`` is torch's own)
+    if layout is not None:
+        return layout
+    return DENSE_WEIGHT if param.dim() == 2 else OUTPUT_VECTOR
+
+
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     """Copy a checkpoint tensor into ``param`` (casting dtype), refusing shape mismatches."""
     if tuple(param.shape) != tuple(loaded.shape):
@@ -128,9 +177,13 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: A
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T (+ b)`` with the GEMM delegated to ``quant_method``."""
+    """``y = x W^T (+ b)`` with the GEMM delegated to ``quant_method``.
+
+    ``shard_sizes`` maps each checkpoint tensor the layer is built from (None for a
+    plain layer) to the output features it owns, in concatenation order."""
 
     gemm_kernel: DenseGemmKernel | None = None  # set by pack_dense_weights
+    shard_sizes: dict[Any, int]
 
     def __init__(
         self,
@@ -149,6 +202,8 @@ class LinearBase(nn.Module):
         self.params_dtype = dtype
         self.weight_dtype = weight_dtype or dtype
         self.device = torch.device(device)
+        if not hasattr(self, "shard_sizes"):
+            self.shard_sizes = {None: out_features}
         self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, in_features, out_features, dtype)
         if bias:
@@ -161,7 +216,27 @@ class LinearBase(nn.Module):
 
     def _set_loaders(self) -> None:
         for param in self.parameters(recurse=False):
-            param.weight_loader = default_weight_loader
+            param.weight_loader = self._load_shard
+            if len(self.shard_sizes) > 1:
+                param.shard_ids = tuple(self.shard_sizes)
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy one checkpoint tensor into the part of ``param`` its shard owns."""
+        if shard_id not in self.shard_sizes:
+            raise ValueError(f"linear layer has shards {list(self.shard_sizes)}, not {shard_id!r}")
+        layout = param_layout(param)
+        index = list(self.shard_sizes).index(shard_id)
+        if layout.per_shard:
+            target = param[index]
+            if target.numel() != loaded.numel():
+                raise ValueError(f"checkpoint tensor for shard {shard_id} has shape "
+                                 f"{tuple(loaded.shape)}, one entry of {tuple(target.shape)} "
+                                 "expected")
+            copy_checked(target, loaded.reshape(target.shape), f"shard {shard_id}")
+            return
+        offset = sum(list(self.shard_sizes.values())[:index])
+        target = layout.shard_slice(param, offset, self.shard_sizes[shard_id])
+        copy_checked(target, loaded, "parameter" if shard_id is None else f"shard {shard_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -199,32 +274,14 @@ class MergedLinear(LinearBase):
         weight_dtype: torch.dtype | None = None,
     ) -> None:
         self.shard_sizes = dict(shards)
-        self.shard_offsets: dict[Any, int] = {}
-        offset = 0
-        for shard_id, size in self.shard_sizes.items():
-            self.shard_offsets[shard_id] = offset
-            offset += size
         super().__init__(
             in_features,
-            offset,
+            sum(self.shard_sizes.values()),
             bias=bias,
             dtype=dtype,
             device=device,
             quant_method=quant_method,
             weight_dtype=weight_dtype,
-        )
-
-    def _set_loaders(self) -> None:
-        for param in self.parameters(recurse=False):
-            param.weight_loader = self._load_shard
-            param.shard_ids = tuple(self.shard_sizes)
-
-    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id not in self.shard_offsets:
-            raise ValueError(f"merged linear has shards {list(self.shard_sizes)}, not {shard_id!r}")
-        start = self.shard_offsets[shard_id]
-        copy_checked(
-            param.narrow(0, start, self.shard_sizes[shard_id]), loaded, f"shard {shard_id}"
         )
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -28,10 +28,17 @@ class ModelInitContext:
     dtype: torch.dtype
     device: torch.device
     attn_backend: AttentionBackend
-    quant_config: Any = None  # a QuantMethod (or its config) once quantized models land
+    quantization: Any = None  # engine.quantization.QuantizationPlan of a quantized checkpoint
     fused_ops: FusedOps | None = None  # the platform's norm/act/rotary kernels
     parallel_config: Any = None  # tensor / pipeline parallel rank and sizes, later
     weight_dtype: torch.dtype | None = None
+
+    def linear_method(self, *prefixes: str) -> Any:
+        """The quant_method of the linear layer built from the checkpoint modules
+        ``prefixes`` (several for a fused layer); None: unquantized."""
+        if self.quantization is None:
+            return None
+        return self.quantization.method.linear_method(tuple(prefixes))
 
     @property
     def matrix_dtypes(self) -> dict[str, torch.dtype]:

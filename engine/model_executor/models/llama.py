@@ -76,12 +76,20 @@ def layer_type_windows(hf_config: Any) -> tuple[int | None, ...]:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
+    def __init__(
+        self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions, prefix: str
+    ) -> None:
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         common = {**ctx.matrix_dtypes, "device": ctx.device}
-        self.gate_up_proj = MergedLinear(hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common)
-        self.down_proj = ReplicatedLinear(inter, hidden, bias=opts.mlp_bias, **common)
+        self.gate_up_proj = MergedLinear(
+            hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common,
+            quant_method=ctx.linear_method(f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+        )
+        self.down_proj = ReplicatedLinear(
+            inter, hidden, bias=opts.mlp_bias, **common,
+            quant_method=ctx.linear_method(f"{prefix}.down_proj"),
+        )
         self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_ops, ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +110,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_size = opts.head_size
         common = {**ctx.matrix_dtypes, "device": ctx.device}
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size,
             self.head_size,
@@ -109,9 +118,11 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             bias=opts.qkv_bias,
             **common,
+            quant_method=ctx.linear_method(*(f"{prefix}.{p}_proj" for p in "qkv")),
         )
         self.o_proj = ReplicatedLinear(
-            self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias, **common
+            self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias,
+            **common, quant_method=ctx.linear_method(f"{prefix}.o_proj"),
         )
         if opts.qk_norm:
             norm = {"dtype": ctx.dtype, "device": ctx.device, "fused_ops": ctx.fused_ops}
@@ -161,7 +172,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = hf_config.rms_norm_eps
         common = {"dtype": ctx.dtype, "device": ctx.device}
         self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(hf_config, ctx, opts)
+        self.mlp = LlamaMLP(hf_config, ctx, opts, f"model.layers.{layer_idx}.mlp")
         common = {**common, "fused_ops": ctx.fused_ops}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
@@ -226,6 +237,8 @@ class LlamaForCausalLM(nn.Module):
             hf_config.num_attention_heads
         )
         self.head_size = self.opts.head_size
+        if ctx.linear_method("lm_head") is not None:
+            raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.model = LlamaModel(hf_config, ctx, self.opts)
         self.lm_head = LMHead(
             hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes, device=ctx.device

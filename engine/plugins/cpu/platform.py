@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         DenseGemmKernel,
         ForwardGraphCapturer,
         FusedOps,
+        QuantizedGemmKernel,
     )
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,12 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu.gemm import gemm_preference
 
         return gemm_preference()
+
+    def quantized_gemm_kernels(self) -> list[type[QuantizedGemmKernel]]:
+        """The torch reference kernel (every encoding, dequantizing per call)."""
+        from engine.quantization.reference import TorchQuantizedGemm
+
+        return [TorchQuantizedGemm]
 
     def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""

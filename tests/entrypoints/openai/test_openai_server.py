@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -472,10 +473,21 @@ def test_generation_config_fills_unset_fields(start_server, tmp_path_factory):
 def test_sigterm_ends_in_flight_stream_cleanly(server):
     """Runs last (it stops the server). With a 0 s grace period, SIGTERM aborts the
     in-flight stream through the engine: it still ends with finish chunks and [DONE], and
-    the server and its engine core exit."""
+    the server and its engine core exit. Three more streams keep the batch at 128
+    sequences, so 100 tokens take longer than the signal takes to land."""
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS_LIMIT, "n": 32,
             "temperature": 0, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def drain() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
+                          timeout=30) as other:
+            for _ in other.iter_lines():
+                pass
+
+    load = [threading.Thread(target=drain, daemon=True) for _ in range(3)]
+    for thread in load:
+        thread.start()
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
                       timeout=30) as response:
         lines = (line[len("data: "):] for line in response.iter_lines()
@@ -483,10 +495,11 @@ def test_sigterm_ends_in_flight_stream_cleanly(server):
         data = [next(lines)]
         server.proc.send_signal(signal.SIGTERM)
         data += list(lines)
+    for thread in load:
+        thread.join(30)
     assert data[-1] == "[DONE]"
     finishes = {c["index"]: c["finish_reason"] for chunk in data[:-1]
                 for c in json.loads(chunk)["choices"] if c["finish_reason"]}
     assert finishes == {i: "abort" for i in range(32)}
     server.proc.wait(30)
     server.assert_no_orphans()
-
