@@ -15,6 +15,7 @@ A format's :class:`QuantizedLinearMethod` is the layer's ``quant_method``:
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,8 @@ class QuantizedLinearMethod(ABC):
                        kernel_filter: Any = None) -> QuantizedGemmKernel:
         """Decode, pick the kernel, hand the weights over, drop the checkpoint tensors."""
         weights = self.decode(layer)
+        shards = tuple(weights.shard_sizes) or (weights.spec.out_features,)
+        weights.spec = dataclasses.replace(weights.spec, shard_sizes=shards)
         candidates = [k for k in kernels if kernel_filter is None or kernel_filter(k)]
         if kernel_filter is not None and not candidates:
             raise ValueError(f"{kernel_filter.describe()}: none of the platform's quantized "

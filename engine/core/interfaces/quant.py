@@ -58,6 +58,7 @@ class QuantizedLayerSpec:
     has_zero_points: bool = False
     act_order: bool = False  # input features permuted into their groups (GPTQ g_idx)
     activation: ActivationQuant | None = None  # None: weight-only
+    shard_sizes: tuple[int, ...] = ()  # output features per fused shard (q / k / v, ...)
     extra: tuple[tuple[str, Any], ...] = ()
 
 

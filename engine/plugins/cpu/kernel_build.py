@@ -41,7 +41,8 @@ from pathlib import Path
 SOURCES = (
     "paged_decode_attention.c", "elementwise.c", "gemm.c", "forward_graph.c", "runtime.c",
 )
-HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h", "gemm_amx.h")
+HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h", "gemm_amx.h", "gemm_quant.h",
+           "quant_act.h")
 SELFTEST_SOURCE = "selftest_main.c"  # the driver of the cross-built (qemu) self-test
 COMMON_FLAGS = (
     "-O3", "-fopenmp", "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Wno-unused",
@@ -123,6 +124,20 @@ def _cpu_flags_line() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+@cache
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the processor type elsewhere):
+    what every reported figure names."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")) and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or machine()
 
 
 def cpu_flags() -> frozenset[str]:

@@ -26,6 +26,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from functools import cache
 from pathlib import Path
@@ -70,6 +71,33 @@ class KeyLayout(Enum):
             return rows.unflatten(-1, (block_size, head_size, 1))
         pack = self.pack
         return rows.unflatten(-1, (head_size // pack, block_size, pack)).transpose(-2, -3)
+
+
+QENC_INT, QENC_FP8, QENC_NVFP4 = 0, 1, 2  # csrc/gemm_quant.h
+QACT_CODES = {None: 0, "int8": 1, "fp8": 2, "nvfp4": 3}  # csrc/quant_act.h
+QSTRATEGY_CODES = {"token": 0, "tensor": 1, "group": 2}
+
+
+@dataclass(frozen=True)
+class QGemmParams:
+    """One quantized layer as csrc/gemm_quant.h packs it (its QP_* words)."""
+
+    n: int
+    k: int
+    encoding: int  # QENC_*
+    bits: int
+    group: int  # input features per weight scale
+    shard_sizes: tuple[int, ...]
+    act: int = 0  # QACT_CODES
+    act_strategy: int = 0
+    act_dynamic: bool = False
+    act_group: int = 0
+    has_perm: bool = False
+
+    def words(self) -> list[int]:
+        return [self.n, self.k, self.encoding, self.bits, self.group, self.act,
+                self.act_strategy, int(self.act_dynamic), self.act_group, int(self.has_perm),
+                len(self.shard_sizes), *self.shard_sizes]
 
 
 class NativeCall(NamedTuple):
@@ -184,6 +212,18 @@ class CPUKernels(FusedOps):
         self._gemm_plain = _bind_op(lib.gemm_plain, [
             _ptr, _i64, _ptr, _i64, _ptr,  # x, x row stride, weight, weight row stride, bias
             _ptr, _i64, _i64, _i64, _i64, _i32, _i32,  # out, its row stride, M, N, K, dtypes
+        ])
+
+        self._qgemm_pack_bytes = lib.qgemm_pack_bytes
+        self._qgemm_pack_bytes.restype, self._qgemm_pack_bytes.argtypes = _i64, [_ptr]
+        self._qgemm_pack = _bind(lib.qgemm_pack, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr])
+        self._qgemm = _bind_op(lib.qgemm, [
+            _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weights, bias (or NULL)
+            _ptr, _i64, _i64, _i32,  # out, its row stride, M, activation dtype
+        ])
+        self._quantize_activations = _bind(lib.quantize_activations, [
+            _ptr, _i64, _i64, _i64, _i32,  # x, row stride, M, K, dtype
+            _i32, _i32, _i32, _i64, _f32, _ptr,  # scheme, strategy, dynamic, group, scale, out
         ])
 
     def __repr__(self) -> str:
@@ -390,6 +430,80 @@ class CPUKernels(FusedOps):
                                     out.data_ptr(), n, m, n, k, DTYPE_CODES[x.dtype],
                                     DTYPE_CODES[weight.dtype]), "gemm_plain")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    # -- quantized GEMM (csrc/gemm_quant.h) -----------------------------------------------
+    def qgemm_pack(
+        self,
+        params: QGemmParams,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
+        act_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Canonical quantized weights (engine/core/interfaces/quant.py; codes already in
+        act-order when ``perm`` is given) in this level's packed layout: a uint8 tensor
+        :meth:`qgemm` multiplies."""
+        words = torch.tensor(params.words(), dtype=torch.int64)
+        size = self._qgemm_pack_bytes(words.data_ptr())
+        if size < 0:
+            raise ValueError(f"qgemm_pack refused {params}")
+        n, k = params.n, params.k
+        want_codes = (n, k // 2) if params.encoding == QENC_NVFP4 else (n, k)
+        groups = k // params.group
+        checks = [("codes", codes, torch.uint8, want_codes),
+                  ("scales", scales, torch.float32, (n, groups)),
+                  ("zeros", zeros, torch.float32, (n, groups)),
+                  ("perm", perm, torch.int64, (k,)),
+                  ("act_scales", act_scales, torch.float32, (len(params.shard_sizes),))]
+        args = []
+        for name, tensor, dtype, shape in checks:
+            if tensor is None:
+                args.append(None)
+                continue
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"qgemm_pack: {name} must be {dtype} {list(shape)}, not "
+                                 f"{tensor.dtype} {list(tensor.shape)}")
+            tensor = tensor.contiguous()
+            args.append(tensor)
+        if (perm is None) == params.has_perm:
+            raise ValueError("qgemm_pack: perm must be given exactly when params.has_perm")
+        packed = torch.empty(size, dtype=torch.uint8)
+        pointers = [None if t is None else t.data_ptr() for t in args]
+        _check(self._qgemm_pack(words.data_ptr(), *pointers, packed.data_ptr()), "qgemm_pack")
+        return packed
+
+    def qgemm(
+        self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``QDQ(x [..., K]) @ dequant(W).T (+ bias)`` in x's dtype, ``packed`` from
+        :meth:`qgemm_pack` (``n`` its output features)."""
+        if x.dtype not in DTYPE_CODES or packed.dtype != torch.uint8:
+            raise ValueError(f"qgemm takes float activations and packed uint8 weights, not "
+                             f"{x.dtype} / {packed.dtype}")
+        bias_ptr = _bias_pointer(bias, n, x.dtype)
+        rows, ldx = _matrix_rows(x)
+        m = rows.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        if m:
+            _check(self._qgemm(rows.data_ptr(), ldx, packed.data_ptr(), bias_ptr,
+                               out.data_ptr(), n, m, DTYPE_CODES[x.dtype]), "qgemm")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def quantize_activations(self, x: torch.Tensor, scheme: int, strategy: int, dynamic: bool,
+                             group: int = 0, scale: float = 0.0) -> torch.Tensor:
+        """float32 ``QDQ(x [M, K])`` as the C kernels quantize activations (codes
+        :data:`QACT_CODES` / :data:`QSTRATEGY_CODES`; ``scale``: the static scale, or
+        nvfp4's global input scale)."""
+        if x.dtype not in DTYPE_CODES or x.dim() != 2:
+            raise ValueError("quantize_activations takes float [M, K] rows")
+        rows, ldx = _matrix_rows(x)
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        _check(self._quantize_activations(rows.data_ptr(), ldx, rows.shape[0], rows.shape[1],
+                                          DTYPE_CODES[x.dtype], scheme, strategy, int(dynamic),
+                                          group, scale, out.data_ptr()),
+               "quantize_activations")
+        return out
 
     def decode_key_splits(
         self, seq_lens: torch.Tensor, num_kv_heads: int, window: int | None = None

@@ -229,10 +229,11 @@ class CPUPlatform(Platform):
         return gemm_preference()
 
     def quantized_gemm_kernels(self) -> list[type[QuantizedGemmKernel]]:
-        """The torch reference kernel (every encoding, dequantizing per call)."""
-        from engine.quantization.reference import TorchQuantizedGemm
+        """The plugin's C kernel (every encoding, every ISA level), then the torch
+        reference for what it refuses (:mod:`engine.plugins.cpu.quant_gemm`)."""
+        from engine.plugins.cpu.quant_gemm import quant_gemm_preference
 
-        return [TorchQuantizedGemm]
+        return quant_gemm_preference()
 
     def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.interfaces import QuantizedLayerSpec, QuantizedWeights
+from engine.quantization.numerics import quantize_dequantize
+
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 UNIT = {F32: 2.0**-24, BF16: 2.0**-8, F16: 2.0**-11}  # half an ulp, relative
 
@@ -81,3 +84,74 @@ def rotary_reference(x, positions, cos_sin, head_size):
     first = (x1 * cos).to(dt).float() - (x2 * sin).to(dt).float()
     second = (x2 * cos).to(dt).float() + (x1 * sin).to(dt).float()
     return torch.cat((first, second), dim=-1).to(dt).view(x.shape)
+
+
+# -- quantized GEMM ---------------------------------------------------------------------
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def quantized_weights(gen, encoding, bits, n, k, group, *, zeros=True, act=None, shards=None,
+                      act_order=False, act_dtype=torch.float32) -> QuantizedWeights:
+    """Random canonical weights of one encoding (engine/core/interfaces/quant.py)."""
+    shards = shards or (n,)
+    groups = k // group
+    if encoding == "int":
+        codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+        zero = torch.randint(0, 1 << bits, (n, groups), generator=gen).float() if zeros else None
+    elif encoding == "fp8":
+        codes = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        zero = None
+    else:
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        zero = None
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.001
+    g_idx = torch.randperm(k, generator=gen) // group if act_order else None
+    input_scales = None
+    if act is not None and (not act.dynamic or act.encoding == "nvfp4"):
+        input_scales = torch.rand(len(shards), generator=gen) * 0.05 + 0.01
+    spec = QuantizedLayerSpec("test", encoding, bits, group, k, n, act_dtype, zero is not None,
+                              act_order, act, shards)
+    return QuantizedWeights(spec, codes, scales, zero, g_idx, input_scales, shards)
+
+
+def dequantized_f64(w: QuantizedWeights) -> torch.Tensor:
+    """float64 [N, K] from the encodings' definitions (engine/core/interfaces/quant.py)."""
+    spec = w.spec
+    k = spec.in_features
+    groups = w.g_idx if w.g_idx is not None else torch.arange(k) // spec.group_size
+    scale = w.scales.double()[:, groups]
+    if spec.encoding == "int":
+        zero = (w.zeros.double()[:, groups] if w.zeros is not None
+                else float(1 << (spec.weight_bits - 1)))
+        return (w.codes.double() - zero) * scale
+    if spec.encoding == "fp8":
+        return w.codes.double() * scale
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    nibbles = torch.stack((w.codes & 15, w.codes >> 4), dim=-1).flatten(-2).long()
+    return (table[nibbles] * scale).float().bfloat16().double()  # bf16(e2m1 x scale)
+
+
+def qgemm_reference(w: QuantizedWeights, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 product of each shard's quantize-dequantized activations (numerics.py, the
+    torch reference) with the weights dequantized here."""
+    weight = dequantized_f64(w)
+    parts, start = [], 0
+    for shard, size in enumerate(w.shard_sizes):
+        xq = x.float()
+        act = w.spec.activation
+        if act is not None:
+            scale = None if w.input_scales is None else w.input_scales[shard]
+            xq = quantize_dequantize(xq, act, static_scale=None if act.dynamic else scale,
+                                     global_scale=scale if act.encoding == "nvfp4" else None)
+        parts.append(xq.double() @ weight[start:start + size].T)
+        start += size
+    out = torch.cat(parts, dim=1)
+    return out if bias is None else out + bias.double()
+
+
+def assert_qgemm_close(got, want, act_dtype=torch.float32):
+    """float32 outputs within float32 sums of the float64 product; narrow ones within
+    their rounding."""
+    assert got.dtype == act_dtype
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < (2e-6 if act_dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"

@@ -16,11 +16,16 @@ from pathlib import Path
 
 import torch
 
+from engine.core.interfaces import ActivationQuant
+from engine.plugins.cpu.native import QACT_CODES, QSTRATEGY_CODES
+from engine.plugins.cpu.quant_gemm import pack_arguments
+from engine.quantization.numerics import quantize_dequantize
 from tests.plugins.cpu import references as refs
 
 OP_GEMM_PACKED, OP_GEMM_PLAIN, OP_ATTENTION, OP_RMS_NORM = 1, 2, 3, 4
 OP_SILU_AND_MUL, OP_ROTARY, OP_EMBEDDING, OP_ARGMAX = 5, 6, 7, 8
-CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3}
+OP_QGEMM, OP_QUANT_ACT = 9, 10
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3, torch.uint8: 4}
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 # op-chain tolerances of the fused elementwise kernels (as test_cpu_fused_ops.py)
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=0, rtol=2**-7),
@@ -87,6 +92,40 @@ class Suite:
             f"gemm_{'packed' if packed else 'plain'} {m}x{n}x{k} {act}/{wdt} bias={bias}",
             OP_GEMM_PACKED if packed else OP_GEMM_PLAIN, (m, n, k, CODES[act], CODES[wdt], bias),
             (), [x, w, *([b] if bias else [])], check))
+
+    def qgemm(self, m: int, encoding: str, bits: int, n: int, k: int, group: int, *,
+              act: ActivationQuant | None = None, shards=None, act_order: bool = False,
+              zeros: bool = True, act_dtype=torch.float32, bias: bool = False) -> None:
+        """Pack and multiply canonical quantized weights (quant_gemm.pack_arguments)."""
+        w = refs.quantized_weights(self.gen, encoding, bits, n, k, group, zeros=zeros, act=act,
+                                   shards=shards, act_order=act_order, act_dtype=act_dtype)
+        params, codes, scales, zero, perm, act_scales = pack_arguments(w)
+        x = self.randn(m, k, dtype=act_dtype) * 3
+        b = self.randn(n, dtype=act_dtype) if bias else None
+        optional = [t for t in (zero, perm, act_scales, b) if t is not None]
+
+        def check(outs):
+            refs.assert_qgemm_close(outs[0].view(m, n), refs.qgemm_reference(w, x, b), act_dtype)
+
+        self.cases.append(Case(
+            f"qgemm {m}x{n}x{k} {encoding}{bits} g{group} act={act} shards={shards} "
+            f"act_order={act_order} {act_dtype}", OP_QGEMM,
+            (m, CODES[act_dtype], zero is not None, act_scales is not None, bias,
+             *params.words()), (), [x, codes, scales, *optional], check))
+
+    def quantize_activations(self, m: int, k: int, act: ActivationQuant, scale: float) -> None:
+        x = self.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+        tensor = torch.tensor(scale)
+
+        def check(outs):
+            want = quantize_dequantize(x, act, static_scale=None if act.dynamic else tensor,
+                                       global_scale=tensor if act.encoding == "nvfp4" else None)
+            assert torch.equal(outs[0].view(m, k), want), "not bit-identical to numerics.py"
+
+        self.cases.append(Case(
+            f"quantize_activations {m}x{k} {act}", OP_QUANT_ACT,
+            (m, k, CODES[torch.float32], QACT_CODES[act.encoding], QSTRATEGY_CODES[act.strategy],
+             act.dynamic, act.group_size or 0), (scale,), [x], check))
 
     def attention(self, seq_lens: Sequence[int], heads: int, kv_heads: int, head_size: int,
                   block_size: int, q_dtype, cache_dtype, pairs: bool, window: int = 0,
@@ -221,4 +260,21 @@ def standard_suite(pairs: bool) -> Suite:
         suite.rotary(5, 3, 32, dtype)
         suite.embedding(6, 50, 24, bf16, dtype)
     suite.argmax(4, 3000)
+    for m in (1, 2, 5, 9):  # decode blocks of every row count, then the prefill schedule
+        suite.qgemm(m, "int", 4, 80, 192, 64, bias=m == 5)
+        suite.qgemm(m, "int", 8, 48, 192, 192, zeros=False)
+        suite.qgemm(m, "fp8", 8, 64, 256, 128)
+        suite.qgemm(m, "nvfp4", 4, 48, 128, 16)
+    suite.qgemm(3, "int", 4, 64, 256, 32, act_order=True)
+    suite.qgemm(20, "int", 4, 32, 128, 128, act_dtype=bf16, bias=True)
+    dynamic_int8, static_fp8 = ActivationQuant("int8", "token", True), ActivationQuant(
+        "fp8", "tensor", False)
+    nvfp4 = ActivationQuant("nvfp4", "group", True, 16)
+    for m in (2, 30):
+        suite.qgemm(m, "int", 8, 64, 128, 128, act=dynamic_int8, zeros=False)
+        suite.qgemm(m, "fp8", 8, 64, 128, 128, act=static_fp8, shards=(32, 16, 16))
+        suite.qgemm(m, "nvfp4", 4, 48, 128, 16, act=nvfp4, shards=(16, 32))
+    for act, scale in ((dynamic_int8, 0.0), (static_fp8, 0.3), (nvfp4, 0.7),
+                       (ActivationQuant("fp8", "group", True, 32), 0.0)):
+        suite.quantize_activations(5, 96, act, scale)
     return suite

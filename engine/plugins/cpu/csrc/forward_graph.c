@@ -27,12 +27,13 @@ enum {
     GK_PAGED_DECODE_ATTENTION,
     GK_GEMM_PACKED,
     GK_GEMM_PLAIN,
+    GK_QGEMM,
     GK_COUNT
 };
 
 static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
-    "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain",
+    "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain", "qgemm",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -93,6 +94,9 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
         case GK_GEMM_PLAIN:
             status = gemm_plain(P(0), a[1], P(2), a[3], P(4), P(5), a[6], a[7], a[8], a[9],
                                 I(10), I(11));
+            break;
+        case GK_QGEMM:
+            status = qgemm(P(0), a[1], P(2), P(3), P(4), a[5], a[6], I(7));
             break;
         default:
             status = -2;

@@ -475,3 +475,5 @@ int gemm_plain(const void *x, int64_t ldx, const void *w, int64_t ldw, const voi
     free(owned);
     return 0;
 }
+
+#include "gemm_quant.h" /* quantized weights, on the register blocks above */

@@ -42,5 +42,14 @@ int gemm_packed(const void *x, int64_t ldx, const void *packed, const void *bias
                 int64_t ldo, int64_t m, int64_t n, int64_t k, int adt, int wdt);
 int gemm_plain(const void *x, int64_t ldx, const void *w, int64_t ldw, const void *bias,
                void *out, int64_t ldo, int64_t m, int64_t n, int64_t k, int adt, int wdt);
+/* Quantized weights (gemm_quant.h): params as its QP_* words; qgemm_pack fills
+ * qgemm_pack_bytes(params) bytes from the canonical codes / scales / zero points. */
+int64_t qgemm_pack_bytes(const int64_t *params);
+int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
+               const float *zeros, const int64_t *perm, const float *act_scales, void *packed);
+int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *out,
+          int64_t ldo, int64_t m, int adt);
+int quantize_activations(const void *x, int64_t ldx, int64_t m, int64_t k, int adt, int act,
+                         int strategy, int dynamic, int64_t group, float scale, float *out);
 
 #endif

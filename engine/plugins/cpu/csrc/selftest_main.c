@@ -23,8 +23,9 @@ int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, in
 const char *isa_level(void);
 
 enum { OP_GEMM_PACKED = 1, OP_GEMM_PLAIN = 2, OP_ATTENTION = 3, OP_RMS_NORM = 4,
-       OP_SILU_AND_MUL = 5, OP_ROTARY = 6, OP_EMBEDDING = 7, OP_ARGMAX = 8 };
-enum { DTYPE_I64 = 3, MAX_ITEMS = 32 };
+       OP_SILU_AND_MUL = 5, OP_ROTARY = 6, OP_EMBEDDING = 7, OP_ARGMAX = 8, OP_QGEMM = 9,
+       OP_QUANT_ACT = 10 };
+enum { DTYPE_I64 = 3, DTYPE_U8 = 4, MAX_ITEMS = 32 };
 
 typedef struct {
     int dtype;
@@ -83,7 +84,7 @@ static void write_result(FILE *f, int32_t status, int n, const array_t *arrays) 
 }
 
 static array_t new_array(int dtype, int64_t count) {
-    const int64_t size = dtype == DTYPE_I64 ? 8 : dtype_size(dtype);
+    const int64_t size = dtype == DTYPE_I64 ? 8 : dtype == DTYPE_U8 ? 1 : dtype_size(dtype);
     array_t a = {dtype, count * size, calloc((size_t)(count > 0 ? count : 1), (size_t)size)};
     return a;
 }
@@ -140,6 +141,31 @@ static int32_t run_attention(const record_t *r, array_t *out) {
     return status;
 }
 
+/*
+ * ints: m adt has_zeros has_act_scales has_bias, then qgemm_pack's parameter words |
+ * arrays: x [m, k] adt, codes uint8, scales, (zeros), (perm int64), (act_scales),
+ * (bias [n] adt). Packs, then multiplies.
+ */
+static int32_t run_qgemm(const record_t *r, array_t *out) {
+    const int64_t m = r->ints[0], *params = r->ints + 5, n = params[0];
+    const int adt = (int)r->ints[1];
+    int next = 3;
+    const void *zeros = r->ints[2] ? r->arrays[next++].data : NULL;
+    const void *perm = params[9] ? r->arrays[next++].data : NULL;
+    const void *act_scales = r->ints[3] ? r->arrays[next++].data : NULL;
+    const void *bias = r->ints[4] ? r->arrays[next++].data : NULL;
+    *out = new_array(adt, m * n);
+    const int64_t bytes = qgemm_pack_bytes(params);
+    if (bytes < 0) return -1;
+    void *packed = malloc((size_t)bytes);
+    int32_t status = qgemm_pack(params, r->arrays[1].data, r->arrays[2].data, zeros, perm,
+                                act_scales, packed);
+    if (status == 0)
+        status = qgemm(r->arrays[0].data, params[1], packed, bias, out->data, n, m, adt);
+    free(packed);
+    return status;
+}
+
 static int32_t run(const record_t *r, array_t *outs, int *n_outs) {
     const int64_t *p = r->ints;
     const array_t *a = r->arrays;
@@ -171,6 +197,11 @@ static int32_t run(const record_t *r, array_t *outs, int *n_outs) {
         outs[0] = new_array((int)p[4], p[0] * p[2]);
         return embedding_rows(a[0].data, p[0], a[1].data, p[1], p[2], (int)p[3], outs[0].data,
                               (int)p[4]);
+    case OP_QGEMM: return run_qgemm(r, &outs[0]);
+    case OP_QUANT_ACT: /* m k adt scheme strategy dynamic group | scale | x -> float32 */
+        outs[0] = new_array(DTYPE_F32, p[0] * p[1]);
+        return quantize_activations(a[0].data, p[1], p[0], p[1], (int)p[2], (int)p[3],
+                                    (int)p[4], (int)p[5], p[6], r->floats[0], outs[0].data);
     case OP_ARGMAX: /* rows cols | x float32 */
         outs[0] = new_array(DTYPE_I64, p[0]);
         return argmax_rows(a[0].data, p[1], p[0], p[1], outs[0].data);

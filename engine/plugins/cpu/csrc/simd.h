@@ -84,15 +84,73 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 #endif
 }
 
-static inline vf vf_load_f16(const uint16_t *p) {
-#if HAVE_FLOAT16
+/* VF fp16 bit patterns as float32: one vcvtph2ps with F16C (GCC lowers the generic
+ * _Float16 vector conversion lane by lane there), fcvtl on Arm. */
+static inline vf vf_from_f16_bits(vh bits) {
+#if defined(__AVX512F__)
+    __m256i h;
+    memcpy(&h, &bits, sizeof h);
+    return (vf)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__)
+    __m128i h;
+    memcpy(&h, &bits, sizeof h);
+    return (vf)_mm256_cvtph_ps(h);
+#elif HAVE_FLOAT16
     vhf h;
-    memcpy(&h, p, sizeof h);
+    memcpy(&h, &bits, sizeof h);
     return __builtin_convertvector(h, vf);
 #else
     float tmp[VF];
-    for (int i = 0; i < VF; i++) tmp[i] = f16_to_f32(p[i]);
+    for (int i = 0; i < VF; i++) tmp[i] = f16_to_f32(bits[i]);
     return vf_load(tmp);
+#endif
+}
+
+static inline vf vf_load_f16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return vf_from_f16_bits(h);
+}
+
+/* VF bytes widened to 32-bit lanes (zero-extended) / 16-bit lanes (zero- or
+ * sign-extended): one vpmovzx / vpmovsx from memory on x86. */
+typedef uint8_t vb __attribute__((vector_size(VF)));
+typedef int8_t vsb __attribute__((vector_size(VF)));
+typedef int16_t vs16 __attribute__((vector_size(VF * sizeof(int16_t))));
+
+static inline vi vi_from_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vi);
+#endif
+}
+
+static inline vh vh_from_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vh)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vh)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vh);
+#endif
+}
+
+static inline vs16 vs16_from_s8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vs16)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vs16)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vsb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vs16);
 #endif
 }
 

@@ -1,0 +1,640 @@
+/*
+ * The quantized-weight GEMM (the CPU plugin's QuantizedGemmKernel), included by gemm.c,
+ * whose register blocks it shares: out = QDQ(x) dequant(W)^T (+ bias) for weights in
+ * int4 / int8 codes with group scales and zero points (GPTQ, AWQ, compressed-tensors
+ * pack-quantized and W8A8), fp8 e4m3 with per-tensor / channel / block scales, and
+ * nvfp4 (e2m1 codes with fp8 group scales), activations quantize-dequantized as the
+ * checkpoint's scheme says (quant_act.h) and multiplied in float32.
+ *
+ * Packed layout (qgemm_pack): a header (qgemm_header), the act-order permutation of the
+ * input features, the per-shard activation scales, then panels of PANEL output columns.
+ * Each output shard of a fused layer (q / k / v, gate / up) gets panels of its own,
+ * the last one padded with zero-scale columns, so one panel never mixes two shards'
+ * activation scales. A panel holds, k after k, its columns' codes (int4 / e2m1: two a
+ * byte, int8 / e4m3: one), then its scales per group ([K / group][PANEL] float32),
+ * then (int codes) -zero x scale per group. Nibbles are paired per two vectors: byte i
+ * of a pair holds column i (low nibble) and column VF + i (high nibble), so one
+ * zero-extending load and a mask / shift give two vectors of codes.
+ *
+ * Decode (M <= GEMM_ROWS): every panel is read once, as the dense kernel reads its
+ * panels. Per group, the R rows accumulate x . code in registers (the code decoded to
+ * float, no scale), then the group's partial sums are scaled once: int codes add
+ * -zero x scale x sum(x of the group), which the call computes once per row. Only
+ * nvfp4 scales each weight in the inner loop, since its weights are bf16(e2m1 x scale)
+ * (compressed-tensors' definition, which the checkpoints' references compute).
+ *
+ * Prefill: the dense kernel's schedule, with dequantization in place of widening: a
+ * block of GEMM_KC k's of a panel is dequantized into a float32 buffer once per chunk of
+ * GEMM_CHUNK rows and every register block of the chunk runs over it.
+ *
+ * Decoding codes: int codes zero-extend and convert; e4m3 and e2m1 codes become fp16
+ * bits by a shift and a mask where the level converts fp16 (F16C, Arm), which leaves
+ * them 2^-8 (e4m3) or 2^-14 (e2m1) too small: the packed scales carry that factor.
+ * Levels without fp16 conversion build the float32 bits in integer arithmetic.
+ */
+#ifndef ENGINE_CPU_GEMM_QUANT_H
+#define ENGINE_CPU_GEMM_QUANT_H
+
+#include "quant_act.h"
+
+enum { QENC_INT = 0, QENC_FP8 = 1, QENC_NVFP4 = 2 };
+/* the code formats the inner loops are specialised for */
+enum { QK_INT4 = 0, QK_INT8 = 1, QK_FP8 = 2, QK_NVFP4 = 3 };
+/* qgemm_pack's parameter words */
+enum { QP_N, QP_K, QP_ENCODING, QP_BITS, QP_GROUP, QP_ACT, QP_ACT_STRATEGY, QP_ACT_DYNAMIC,
+       QP_ACT_GROUP, QP_HAS_PERM, QP_SHARDS, QP_SHARD_N /* one word per shard */ };
+#define QMAX_SHARDS 8
+#define QGEMM_MAGIC 0x314d4d4547514e45LL /* "ENQGEMM1" */
+#define QALIGN 64
+
+#if HAVE_FLOAT16
+#define FP8_UNIT 256.0f    /* e4m3 codes decode to value / 256 (fp16 bits) */
+#define E2M1_UNIT 16384.0f /* e2m1 codes decode to value / 2^14 */
+#else
+#define FP8_UNIT 1.0f
+#define E2M1_UNIT 1.0f
+#endif
+
+typedef struct {
+    int64_t magic, n, k, encoding, bits, group, act, act_strategy, act_dynamic, act_group;
+    int64_t has_perm, shards, panel, panels, panel_bytes, code_bytes, groups;
+    int64_t perm_off, act_scale_off, panels_off;
+    int64_t shard_n[QMAX_SHARDS], shard_panels[QMAX_SHARDS];
+} qgemm_header;
+
+static inline int64_t qalign(int64_t bytes) { return (bytes + QALIGN - 1) / QALIGN * QALIGN; }
+
+static inline int qkind(int64_t encoding, int64_t bits) {
+    if (encoding == QENC_INT) return bits == 4 ? QK_INT4 : QK_INT8;
+    return encoding == QENC_FP8 ? QK_FP8 : QK_NVFP4;
+}
+
+/* bytes of one k's codes in a panel */
+static inline int64_t qk_row_bytes(int kind) {
+    return kind == QK_INT4 || kind == QK_NVFP4 ? PANEL / 2 : PANEL;
+}
+
+static inline vf vf_round_to_bf16(vf v) {
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline vf vf_from_vi(vi v) { return __builtin_convertvector(v, vf); }
+
+/* e2m1 codes (uint16 lanes, 0 .. 15) as float values / E2M1_UNIT */
+static inline vf vf_e2m1(vh n) {
+#if HAVE_FLOAT16
+    const vs16 spread = ((vs16)(n << 12)) >> 3; /* s s s s e e m 0..: sign extended */
+    return vf_from_f16_bits((vh)spread & (uint16_t)0x8e00);
+#else
+    const vi c = __builtin_convertvector(n, vi), mag = c & 7;
+    vi bits = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22);
+    const vi one = mag == 1, zero = mag == 0; /* 0.5 (exponent 0) and 0 */
+    bits = (bits & ~one) | (one & 0x3f000000);
+    bits &= ~zero;
+    bits |= (c & 8) << 28;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* VF e4m3 codes as float values / FP8_UNIT */
+static inline vf vf_e4m3(const uint8_t *p) {
+#if HAVE_FLOAT16
+    const vs16 wide = vs16_from_s8(p); /* the sign copied into bit 14 */
+    return vf_from_f16_bits(((vh)wide << 7) & (uint16_t)0xbfff);
+#else
+    const vi c = vi_from_u8(p), mag = c & 0x7f;
+    const vi normal = (mag << 20) + (120 << 23);
+    const vf sub = vf_from_vi(mag) * (1.0f / 512.0f); /* exponent 0: mantissa x 2^-9 */
+    vf nv;
+    memcpy(&nv, &normal, sizeof nv);
+    vi bits;
+    const vf value = vf_select(mag < 8, sub, nv);
+    memcpy(&bits, &value, sizeof bits);
+    bits |= (c & 0x80) << 24;
+    vf out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* one k's codes of a panel as GEMM_VECS vectors of code values */
+static inline __attribute__((always_inline)) void q_load_k(const int kind, const uint8_t *row,
+                                                          vf w[GEMM_VECS]) {
+    if (kind == QK_INT4 || kind == QK_NVFP4) {
+#pragma GCC unroll 4
+        for (int jp = 0; jp < GEMM_VECS / 2; jp++) {
+            if (kind == QK_INT4) {
+                const vi v = vi_from_u8(row + jp * VF);
+                w[2 * jp] = vf_from_vi(v & 15);
+                w[2 * jp + 1] = vf_from_vi(v >> 4);
+            } else {
+                const vh v = vh_from_u8(row + jp * VF);
+                w[2 * jp] = vf_e2m1(v & (uint16_t)15);
+                w[2 * jp + 1] = vf_e2m1(v >> 4);
+            }
+        }
+    } else {
+#pragma GCC unroll 4
+        for (int j = 0; j < GEMM_VECS; j++) {
+            if (kind == QK_INT8) {
+                w[j] = vf_from_vi(vi_from_u8(row + j * VF));
+            } else {
+                w[j] = vf_e4m3(row + j * VF);
+            }
+        }
+    }
+}
+
+/* -- packing ------------------------------------------------------------------------- */
+
+/* The header of a valid parameter set (0), or -1. */
+static int qgemm_plan(const int64_t *p, qgemm_header *h) {
+    memset(h, 0, sizeof *h);
+    h->magic = QGEMM_MAGIC;
+    h->n = p[QP_N], h->k = p[QP_K], h->encoding = p[QP_ENCODING], h->bits = p[QP_BITS];
+    h->group = p[QP_GROUP], h->act = p[QP_ACT], h->act_strategy = p[QP_ACT_STRATEGY];
+    h->act_dynamic = p[QP_ACT_DYNAMIC], h->act_group = p[QP_ACT_GROUP];
+    h->has_perm = p[QP_HAS_PERM], h->shards = p[QP_SHARDS], h->panel = PANEL;
+    if (h->n <= 0 || h->k <= 0 || h->group <= 0 || h->k % h->group || h->k % 2)
+        return -1;
+    if (h->encoding == QENC_INT ? h->bits != 4 && h->bits != 8
+        : h->encoding == QENC_FP8 ? h->bits != 8
+        : h->encoding == QENC_NVFP4 ? h->bits != 4 || h->group != 16 : 1)
+        return -1;
+    if (h->act < QACT_NONE || h->act > QACT_NVFP4 || h->shards < 1 || h->shards > QMAX_SHARDS)
+        return -1;
+    if (h->act != QACT_NONE && (h->act_strategy < QSTRAT_TOKEN || h->act_strategy > QSTRAT_GROUP))
+        return -1;
+    if (h->act == QACT_NVFP4 && (!h->act_dynamic || h->act_group != 16))
+        return -1;
+    if (h->act != QACT_NONE && (h->act_strategy == QSTRAT_GROUP || h->act == QACT_NVFP4) &&
+        (h->act_group <= 0 || h->k % h->act_group))
+        return -1;
+    int64_t total = 0;
+    for (int64_t s = 0; s < h->shards; s++) {
+        const int64_t n = p[QP_SHARD_N + s];
+        if (n <= 0 || n % 16)
+            return -1;
+        h->shard_n[s] = n;
+        h->shard_panels[s] = (n + PANEL - 1) / PANEL;
+        h->panels += h->shard_panels[s];
+        total += n;
+    }
+    if (total != h->n)
+        return -1;
+    const int kind = qkind(h->encoding, h->bits);
+    h->groups = h->k / h->group;
+    h->code_bytes = h->k * qk_row_bytes(kind);
+    const int64_t scale_sets = h->encoding == QENC_INT ? 2 : 1; /* scales (+ -zero x scale) */
+    h->panel_bytes = qalign(h->code_bytes + scale_sets * h->groups * PANEL * 4);
+    h->perm_off = qalign(sizeof *h);
+    h->act_scale_off = h->perm_off + (h->has_perm ? qalign(8 * h->k) : 0);
+    h->panels_off = h->act_scale_off + qalign(4 * QMAX_SHARDS);
+    return 0;
+}
+
+int64_t qgemm_pack_bytes(const int64_t *params) {
+    qgemm_header h;
+    if (qgemm_plan(params, &h)) return -1;
+    return h.panels_off + h.panels * h.panel_bytes;
+}
+
+/* panel p's shard, first weight row (= output column) and width */
+static inline void qpanel_place(const qgemm_header *h, int64_t p, int64_t *shard,
+                                int64_t *col, int64_t *width) {
+    int64_t s = 0, col0 = 0;
+    while (p >= h->shard_panels[s]) {
+        p -= h->shard_panels[s];
+        col0 += h->shard_n[s];
+        s++;
+    }
+    const int64_t left = h->shard_n[s] - p * PANEL;
+    *shard = s;
+    *col = col0 + p * PANEL;
+    *width = left < PANEL ? left : PANEL;
+}
+
+/* code of (row, k): uint8 codes [N, K] (int, fp8) or [N, K / 2] nibbles (nvfp4) */
+static inline unsigned q_code_at(const uint8_t *codes, int kind, int64_t k_total, int64_t row,
+                                 int64_t k) {
+    if (kind == QK_NVFP4)
+        return (codes[row * (k_total / 2) + k / 2] >> (4 * (k & 1))) & 15u;
+    return codes[row * k_total + k];
+}
+
+/*
+ * Fills `packed` (qgemm_pack_bytes(params) bytes) from the canonical weights of
+ * engine/core/interfaces/quant.py: codes, float32 scales [N, K / group], zero points
+ * [N, K / group] (int codes; NULL: the midpoint 2^(bits - 1)), the act-order
+ * permutation (the input feature each column of the already permuted codes reads) and
+ * the per-shard activation scales (static scales, nvfp4's global input scales; NULL:
+ * none). Returns 0, or -1 for parameters qgemm_pack_bytes refuses.
+ */
+int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
+               const float *zeros, const int64_t *perm, const float *act_scales, void *packed)
+{
+    qgemm_header h;
+    if (qgemm_plan(params, &h)) return -1;
+    if (h.has_perm && perm == NULL) return -1;
+    char *base = (char *)packed;
+    memset(base, 0, (size_t)h.panels_off);
+    memcpy(base, &h, sizeof h);
+    if (h.has_perm) {
+        for (int64_t i = 0; i < h.k; i++)
+            if (perm[i] < 0 || perm[i] >= h.k) return -1;
+        memcpy(base + h.perm_off, perm, (size_t)(8 * h.k));
+    }
+    float *act = (float *)(base + h.act_scale_off);
+    for (int64_t s = 0; s < h.shards; s++)
+        act[s] = act_scales != NULL ? act_scales[s] : 0.0f;
+    const int kind = qkind(h.encoding, h.bits);
+    const int64_t row_bytes = qk_row_bytes(kind), groups = h.groups;
+    const float unit = kind == QK_FP8 ? FP8_UNIT : kind == QK_NVFP4 ? E2M1_UNIT : 1.0f;
+    const float midpoint = (float)(1 << (h.bits - 1));
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < h.panels; p++) {
+        int64_t shard, col, width;
+        qpanel_place(&h, p, &shard, &col, &width);
+        uint8_t *dst = (uint8_t *)base + h.panels_off + p * h.panel_bytes;
+        memset(dst, 0, (size_t)h.panel_bytes);
+        float *sc = (float *)(dst + h.code_bytes), *zs = sc + groups * PANEL;
+        for (int64_t c = 0; c < width; c++) {
+            const int64_t row = col + c;
+            for (int64_t i = 0; i < h.k; i++) {
+                const unsigned code = q_code_at(codes, kind, h.k, row, i);
+                uint8_t *at = dst + i * row_bytes;
+                if (kind == QK_INT4 || kind == QK_NVFP4) {
+                    const int64_t pair = c / (2 * VF), lane = c % VF, high = (c / VF) % 2;
+                    at[pair * VF + lane] |= (uint8_t)((code & 15u) << (4 * high));
+                } else {
+                    at[c] = (uint8_t)code;
+                }
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                const float s = scales[row * groups + g];
+                sc[g * PANEL + c] = s * unit;
+                if (h.encoding == QENC_INT) {
+                    const float z = zeros != NULL ? zeros[row * groups + g] : midpoint;
+                    zs[g * PANEL + c] = -z * s;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* -- the call ------------------------------------------------------------------------ */
+
+/* A thread's scratch for the prepared activations, grown as needed and kept: a prefill
+ * call would otherwise map and fault in megabytes every time. */
+static _Thread_local float *q_scratch;
+static _Thread_local size_t q_scratch_floats;
+
+static float *q_scratch_floats_of(size_t floats) {
+    if (floats > q_scratch_floats) {
+        float *grown = realloc(q_scratch, floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        q_scratch = grown;
+        q_scratch_floats = floats;
+    }
+    return q_scratch;
+}
+
+/*
+ * The decode schedule's panel: R rows of x (the shard's prepared rows, ldx apart)
+ * against one panel, into `width` columns of out from col.
+ */
+static inline __attribute__((always_inline)) void qdecode_panel(
+    const int R, const int kind, const float *x, int64_t ldx, const float *xsum,
+    const uint8_t *codes, const float *sc, const float *zs, int64_t k, int64_t group,
+    const void *bias, int64_t col, int64_t width, void *out, int64_t ldo, const int odt)
+{
+    enum { J = GEMM_VECS };
+    float tile[GEMM_ROWS * PANEL] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < PANEL; c++)
+            tile[r * PANEL + c] = bias != NULL && c < width ? load_at(bias, col + c, odt) : 0.0f;
+    const int64_t row_bytes = qk_row_bytes(kind), groups = k / group;
+    const int dual = R <= 2;
+    for (int64_t g = 0; g < groups; g++) {
+        vf scv[J], acc[GEMM_ROWS][J], odd[GEMM_ROWS][J];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j++) {
+            scv[j] = vf_load(sc + g * PANEL + j * VF);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) acc[r][j] = odd[r][j] = vf_splat(0.0f);
+        }
+        const int64_t k1 = (g + 1) * group;
+        int64_t i = g * group;
+        if (dual)
+            for (; i + 2 <= k1; i += 2) {
+                const uint8_t *c0 = codes + i * row_bytes;
+                for (int64_t off = 0; off < 2 * row_bytes; off += 64)
+                    __builtin_prefetch(c0 + PREFETCH_AHEAD + off, 0, 0);
+                vf wa[J], wb[J];
+                q_load_k(kind, c0, wa);
+                q_load_k(kind, c0 + row_bytes, wb);
+                if (kind == QK_NVFP4)
+#pragma GCC unroll 4
+                    for (int j = 0; j < J; j++) {
+                        wa[j] = vf_round_to_bf16(wa[j] * scv[j]);
+                        wb[j] = vf_round_to_bf16(wb[j] * scv[j]);
+                    }
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const float x0 = x[r * ldx + i], x1 = x[r * ldx + i + 1];
+#pragma GCC unroll 4
+                    for (int j = 0; j < J; j++) {
+                        acc[r][j] += x0 * wa[j];
+                        odd[r][j] += x1 * wb[j];
+                    }
+                }
+            }
+        for (; i < k1; i++) {
+            const uint8_t *c0 = codes + i * row_bytes;
+            if (!dual)
+                for (int64_t off = 0; off < row_bytes; off += 64)
+                    __builtin_prefetch(c0 + PREFETCH_AHEAD + off, 0, 0);
+            vf wv[J];
+            q_load_k(kind, c0, wv);
+            if (kind == QK_NVFP4)
+#pragma GCC unroll 4
+                for (int j = 0; j < J; j++) wv[j] = vf_round_to_bf16(wv[j] * scv[j]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const float xv = x[r * ldx + i];
+#pragma GCC unroll 4
+                for (int j = 0; j < J; j++) acc[r][j] += xv * wv[j];
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < J; j++) {
+                float *t = tile + r * PANEL + j * VF;
+                const vf sum = dual ? acc[r][j] + odd[r][j] : acc[r][j];
+                vf v = vf_load(t);
+                if (kind == QK_NVFP4)
+                    v += sum;
+                else if (kind == QK_FP8)
+                    v += sum * scv[j];
+                else
+                    v += sum * scv[j] + xsum[r * groups + g] * vf_load(zs + g * PANEL + j * VF);
+                vf_store(t, v);
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < width; c += VF)
+            vf_store_as(out, r * ldo + col + c, odt, vf_load(tile + r * PANEL + c));
+}
+
+#define QDECODE_ROWS(KIND)                                                                 \
+    switch (rows) {                                                                        \
+    case 1: qdecode_panel(1, KIND, QDECODE_ARGS); break;                                   \
+    case 2: qdecode_panel(2, KIND, QDECODE_ARGS); break;                                   \
+    case 3: qdecode_panel(3, KIND, QDECODE_ARGS); break;                                   \
+    case 4: qdecode_panel(4, KIND, QDECODE_ARGS); break;                                   \
+    case 5: qdecode_panel(5 <= GEMM_ROWS ? 5 : 1, KIND, QDECODE_ARGS); break;              \
+    default: qdecode_panel(GEMM_ROWS, KIND, QDECODE_ARGS); break;                          \
+    }
+#define QDECODE_ARGS x, ldx, xsum, codes, sc, zs, k, group, bias, col, width, out, ldo, odt
+
+static void qdecode_dispatch(int kind, int rows, const float *x, int64_t ldx, const float *xsum,
+                             const uint8_t *codes, const float *sc, const float *zs, int64_t k,
+                             int64_t group, const void *bias, int64_t col, int64_t width,
+                             void *out, int64_t ldo, int odt)
+{
+    switch (kind) {
+    case QK_INT4: QDECODE_ROWS(QK_INT4); break;
+    case QK_INT8: QDECODE_ROWS(QK_INT8); break;
+    case QK_FP8: QDECODE_ROWS(QK_FP8); break;
+    default: QDECODE_ROWS(QK_NVFP4); break;
+    }
+}
+
+/* k's [k0, k0 + kc) of a panel dequantized to float32, `width` columns a row */
+static inline __attribute__((always_inline)) void qdequant_block(
+    const int kind, const uint8_t *codes, const float *sc, const float *zs, int64_t k0,
+    int64_t kc, int64_t group, int64_t width, float *dst)
+{
+    const int64_t row_bytes = qk_row_bytes(kind), vecs = width / VF;
+    for (int64_t i = 0; i < kc; i++) {
+        const int64_t k = k0 + i, g = k / group;
+        vf w[GEMM_VECS];
+        q_load_k(kind, codes + k * row_bytes, w);
+#pragma GCC unroll 4
+        for (int j = 0; j < GEMM_VECS; j++) {
+            if (j >= vecs) break;
+            const vf s = vf_load(sc + g * PANEL + j * VF);
+            vf v;
+            if (kind == QK_NVFP4)
+                v = vf_round_to_bf16(w[j] * s);
+            else if (kind == QK_FP8)
+                v = w[j] * s;
+            else
+                v = w[j] * s + vf_load(zs + g * PANEL + j * VF);
+            vf_store(dst + i * width + j * VF, v);
+        }
+    }
+}
+
+static void qdequant_dispatch(int kind, const uint8_t *codes, const float *sc, const float *zs,
+                              int64_t k0, int64_t kc, int64_t group, int64_t width, float *dst)
+{
+    switch (kind) {
+    case QK_INT4: qdequant_block(QK_INT4, codes, sc, zs, k0, kc, group, width, dst); break;
+    case QK_INT8: qdequant_block(QK_INT8, codes, sc, zs, k0, kc, group, width, dst); break;
+    case QK_FP8: qdequant_block(QK_FP8, codes, sc, zs, k0, kc, group, width, dst); break;
+    default: qdequant_block(QK_NVFP4, codes, sc, zs, k0, kc, group, width, dst); break;
+    }
+}
+
+/* The prefill schedule's work item: rows [row0, row_end) against one panel. */
+static void qprefill_item(const qgemm_header *h, int kind, const float *x, int64_t ldx,
+                          const uint8_t *panel, int64_t col, int64_t width, int64_t row0,
+                          int64_t row_end, const void *bias, void *out, int64_t ldo, int odt)
+{
+    float widened[GEMM_KC * PANEL] __attribute__((aligned(64)));
+    float tile[GEMM_CHUNK * PANEL] __attribute__((aligned(64)));
+    const float *sc = (const float *)(panel + h->code_bytes), *zs = sc + h->groups * PANEL;
+    for (int64_t k0 = 0; k0 < h->k; k0 += GEMM_KC) {
+        const int64_t kc = h->k - k0 < GEMM_KC ? h->k - k0 : GEMM_KC;
+        qdequant_dispatch(kind, panel, sc, zs, k0, kc, h->group, width, widened);
+        const int first = k0 == 0, last = k0 + kc == h->k;
+        for (int64_t row = row0; row < row_end; row += GEMM_ROWS) {
+            const int rows = row_end - row < GEMM_ROWS ? (int)(row_end - row) : GEMM_ROWS;
+            prefill_panel(rows, x + row * ldx + k0, ldx, widened, width, kc,
+                          tile + (row - row0) * PANEL, first, last, bias, col,
+                          (char *)out + row * ldo * dtype_size(odt), ldo, odt);
+        }
+    }
+}
+
+/* sums[r][g] of each group's values of rows [m, k] (ld apart) */
+static void q_group_sums(const float *rows, int64_t ld, int64_t m, int64_t k, int64_t group,
+                         float *sums)
+{
+    const int64_t groups = k / group;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = rows + r * ld + g * group;
+            vf acc = vf_splat(0.0f);
+            int64_t i = 0;
+            for (; i + VF <= group; i += VF) acc += vf_load(v + i);
+            float t = vf_sum(acc);
+            for (; i < group; i++) t += v[i];
+            sums[r * groups + g] = t;
+        }
+}
+
+/*
+ * The activations every shard's panels read: x as float32 rows, quantize-dequantized
+ * per the scheme (one set per shard where the shards' static / global scales differ),
+ * then permuted into act-order; with `with_sums`, each group's sum per row and set.
+ * *ld: the rows' stride (sets are m x k floats apart). NULL when memory is short.
+ */
+static const float *qprepare_rows(const qgemm_header *h, const char *base, const void *x,
+                                  int64_t ldx, int64_t m, int adt, int with_sums, int *sets,
+                                  int64_t *ld, const float **sums)
+{
+    const int64_t k = h->k;
+    const float *act_scales = (const float *)(base + h->act_scale_off);
+    const int64_t *perm = h->has_perm ? (const int64_t *)(base + h->perm_off) : NULL;
+    const int act = (int)h->act;
+    int n_sets = 1;
+    if (act != QACT_NONE && (!h->act_dynamic || act == QACT_NVFP4))
+        for (int64_t s = 1; s < h->shards; s++)
+            if (act_scales[s] != act_scales[0]) n_sets = (int)h->shards;
+    *sets = n_sets;
+    const size_t rows = (size_t)(m * k), groups = (size_t)(m * h->groups);
+    const int convert = adt != DTYPE_F32, staged = act != QACT_NONE && perm != NULL;
+    const int own_sets = act != QACT_NONE || perm != NULL; /* else the source is the set */
+    float *scratch = q_scratch_floats_of((convert + staged + (own_sets ? n_sets : 0)) * rows +
+                                         (with_sums ? n_sets * groups : 0) + 1);
+    if (scratch == NULL) return NULL;
+    float *converted = scratch, *staging = converted + (convert ? rows : 0);
+    float *prepared = staging + (staged ? rows : 0);
+    const float *src = (const float *)x;
+    int64_t src_ld = ldx;
+    if (convert) {
+#pragma omp parallel for if (m * k >= (1 << 16))
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++)
+                converted[r * k + i] = load_at(x, r * ldx + i, adt);
+        src = converted;
+        src_ld = k;
+    }
+    if (!own_sets) {
+        prepared = (float *)src; /* read only */
+    } else {
+        for (int set = 0; set < n_sets; set++) {
+            float *dst = prepared + set * rows;
+            const float *cur = src;
+            int64_t cur_ld = src_ld;
+            if (act != QACT_NONE) {
+                float *qdq = perm != NULL ? staging : dst;
+                if (quantize_dequantize_rows(cur, cur_ld, m, k, act, (int)h->act_strategy,
+                                             (int)h->act_dynamic, h->act_group,
+                                             act_scales[set], qdq))
+                    return NULL;
+                cur = qdq;
+                cur_ld = k;
+            }
+            if (perm != NULL) {
+#pragma omp parallel for if (m * k >= (1 << 16))
+                for (int64_t r = 0; r < m; r++)
+                    for (int64_t i = 0; i < k; i++)
+                        dst[r * k + i] = cur[r * cur_ld + perm[i]];
+            }
+        }
+        src_ld = k;
+    }
+    *ld = src_ld;
+    float *sum_base = scratch + (convert + staged + (own_sets ? n_sets : 0)) * rows;
+    if (with_sums)
+        for (int set = 0; set < n_sets; set++)
+            q_group_sums(prepared + set * rows, src_ld, m, k, h->group,
+                         sum_base + set * groups);
+    *sums = sum_base;
+    return prepared;
+}
+
+/*
+ * out [m, n] = QDQ(x [m, k]) dequant(W)^T (+ bias [n]): x, bias and out in adt (float32,
+ * bf16 or fp16), W packed by qgemm_pack of this level's library. Returns 0; -1 for a
+ * buffer not packed by this library or bad sizes, -3 when memory is short.
+ */
+int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *out,
+          int64_t ldo, int64_t m, int adt)
+{
+    const qgemm_header *h = (const qgemm_header *)packed;
+    if (h->magic != QGEMM_MAGIC || h->panel != PANEL || m < 0 || ldx < h->k || ldo < h->n ||
+        adt < DTYPE_F32 || adt > DTYPE_F16)
+        return -1;
+    if (m == 0) return 0;
+    const char *base = (const char *)packed;
+    const int kind = qkind(h->encoding, h->bits);
+    const int decode = m <= GEMM_ROWS;
+    int sets;
+    int64_t ld;
+    const float *sums = NULL;
+    const float *rows = qprepare_rows(h, base, x, ldx, m, adt, decode && kind <= QK_INT8,
+                                      &sets, &ld, &sums);
+    if (rows == NULL) return -3;
+    const int64_t set_floats = m * h->k, set_sums = m * h->groups; /* sets > 1: own rows */
+    const uint8_t *panels = (const uint8_t *)base + h->panels_off;
+    const int odt = adt;
+    if (decode) {
+#pragma omp parallel for schedule(static) if (h->panels > 1)
+        for (int64_t p = 0; p < h->panels; p++) {
+            int64_t shard, col, width;
+            qpanel_place(h, p, &shard, &col, &width);
+            const int set = sets > 1 ? (int)shard : 0;
+            const uint8_t *panel = panels + p * h->panel_bytes;
+            const float *sc = (const float *)(panel + h->code_bytes);
+            qdecode_dispatch(kind, (int)m, rows + set * set_floats, ld, sums + set * set_sums,
+                             panel, sc, sc + h->groups * PANEL, h->k, h->group, bias, col,
+                             width, out, ldo, odt);
+        }
+    } else {
+        const int64_t chunks = (m + GEMM_CHUNK - 1) / GEMM_CHUNK;
+#pragma omp parallel for collapse(2) schedule(static) if (h->panels * chunks > 1)
+        for (int64_t p = 0; p < h->panels; p++)
+            for (int64_t c = 0; c < chunks; c++) {
+                int64_t shard, col, width;
+                qpanel_place(h, p, &shard, &col, &width);
+                const int set = sets > 1 ? (int)shard : 0;
+                const int64_t end = (c + 1) * GEMM_CHUNK < m ? (c + 1) * GEMM_CHUNK : m;
+                qprefill_item(h, kind, rows + set * set_floats, ld,
+                              panels + p * h->panel_bytes, col, width, c * GEMM_CHUNK, end,
+                              bias, out, ldo, odt);
+            }
+    }
+    return 0;
+}
+
+/* out [m, k] float32 = QDQ(x [m, k] in adt): the activations' half of the scheme alone,
+ * for tests and for kernels of other platforms to compare with. */
+int quantize_activations(const void *x, int64_t ldx, int64_t m, int64_t k, int adt, int act,
+                         int strategy, int dynamic, int64_t group, float scale, float *out)
+{
+    if (m < 0 || k <= 0 || ldx < k || adt < DTYPE_F32 || adt > DTYPE_F16) return -1;
+    if (m == 0) return 0;
+    float *rows = (float *)malloc(sizeof(float) * (size_t)(m * k));
+    if (rows == NULL) return -3;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) rows[r * k + i] = load_at(x, r * ldx + i, adt);
+    const int status = quantize_dequantize_rows(rows, k, m, k, act, strategy, dynamic, group,
+                                                scale, out);
+    free(rows);
+    return status;
+}
+
+#endif /* ENGINE_CPU_GEMM_QUANT_H */

@@ -1,0 +1,149 @@
+"""The CPU platform's quantized GEMM: every canonical encoding, in C, on every ISA level.
+
+:class:`CPUQuantizedGemm` packs a layer's decoded weights once (csrc/gemm_quant.h: int4
+/ int8 codes with group scales and zero points, fp8 e4m3 with tensor / channel / block
+scales, nvfp4 e2m1 with fp8 group scales) and runs one C call per linear: activations
+quantize-dequantized as the checkpoint's scheme says (bit-identical to
+:mod:`engine.quantization.numerics`), permuted once into act-order (GPTQ ``g_idx``),
+then multiplied by the weights dequantized inside the kernel. At decode sizes it
+streams the packed codes once (int4: a quarter of a bf16 weight's bytes); at prefill
+sizes it dequantizes blocks into the dense GEMM's register blocks. A forward graph
+replays it like the dense GEMM.
+
+The torch reference kernel (:class:`~engine.quantization.reference.TorchQuantizedGemm`)
+stays behind it for what it refuses (other bit widths, shards not a multiple of 16
+wide); ``$ENGINE_CPU_QUANT_GEMM=torch`` puts the reference first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from engine.core.interfaces import QuantizedGemmKernel, QuantizedLayerSpec, QuantizedWeights
+from engine.plugins.cpu.native import (
+    DTYPE_CODES,
+    QACT_CODES,
+    QENC_FP8,
+    QENC_INT,
+    QENC_NVFP4,
+    QSTRATEGY_CODES,
+    CPUKernels,
+    QGemmParams,
+    load_kernels,
+)
+
+QUANT_GEMM_ENV = "ENGINE_CPU_QUANT_GEMM"  # auto | native | torch
+_ENCODINGS = {"int": QENC_INT, "fp8": QENC_FP8, "nvfp4": QENC_NVFP4}
+
+
+def quant_gemm_preference() -> list[type[QuantizedGemmKernel]]:
+    """The CPU platform's quantized kernels, preferred first."""
+    from engine.quantization.reference import TorchQuantizedGemm
+
+    raw = os.environ.get(QUANT_GEMM_ENV, "auto").strip().lower() or "auto"
+    if raw not in ("auto", "native", "torch"):
+        raise ValueError(f"{QUANT_GEMM_ENV}={raw!r}: expected auto, native or torch")
+    if raw == "torch":
+        return [TorchQuantizedGemm, CPUQuantizedGemm]
+    return [CPUQuantizedGemm, TorchQuantizedGemm]
+
+
+def act_order_permutation(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The input features in group order (None: already in it), so a layer whose
+    checkpoint permuted them (GPTQ act-order) reads its groups contiguously; a
+    ValueError when a group does not hold exactly ``group`` features."""
+    g_idx = g_idx.to(torch.int64)
+    k = g_idx.numel()
+    if bool((g_idx == torch.arange(k) // group).all()):
+        return None
+    counts = torch.bincount(g_idx, minlength=k // group)
+    if counts.numel() != k // group or bool((counts != group).any()):
+        raise ValueError(f"g_idx does not put {group} input features in each of "
+                         f"{k // group} groups")
+    return torch.argsort(g_idx, stable=True)
+
+
+def pack_arguments(weights: QuantizedWeights) -> tuple:
+    """:meth:`CPUKernels.qgemm_pack`'s arguments for canonical weights: the layer's
+    parameters, its codes in act-order, scales, zero points, permutation and one
+    activation scale per shard."""
+    spec = weights.spec
+    codes, perm = weights.codes, None
+    if codes.dtype == torch.float8_e4m3fn:  # the C side reads the e4m3 bits
+        codes = codes.view(torch.uint8)
+    if weights.g_idx is not None:
+        perm = act_order_permutation(weights.g_idx, spec.group_size)
+        if perm is not None:
+            codes = codes[:, perm]
+    act = spec.activation
+    shards = tuple(weights.shard_sizes) or (spec.out_features,)
+    params = QGemmParams(
+        n=spec.out_features, k=spec.in_features, encoding=_ENCODINGS[spec.encoding],
+        bits=spec.weight_bits, group=spec.group_size, shard_sizes=shards,
+        act=QACT_CODES[None if act is None else act.encoding],
+        act_strategy=0 if act is None else QSTRATEGY_CODES[act.strategy],
+        act_dynamic=bool(act is not None and act.dynamic),
+        act_group=0 if act is None else (act.group_size or 0),
+        has_perm=perm is not None,
+    )
+    act_scales = weights.input_scales
+    if act_scales is not None:
+        act_scales = act_scales.reshape(-1).float()
+        if act_scales.numel() == 1 and len(shards) > 1:
+            act_scales = act_scales.repeat(len(shards))
+    zeros = None if weights.zeros is None else weights.zeros.float().contiguous()
+    return (params, codes.contiguous(), weights.scales.float().contiguous(), zeros, perm,
+            act_scales)
+
+
+class CPUQuantizedGemm(QuantizedGemmKernel):
+    """``y = QDQ(x) dequant(W)^T + b`` through csrc/gemm_quant.h (module docstring)."""
+
+    name: ClassVar[str] = "cpu_qgemm"
+
+    def __init__(self, kernels: CPUKernels | None = None) -> None:
+        kernels = kernels or load_kernels()
+        if kernels is None:
+            raise RuntimeError(f"{self.name} needs the plugin's C kernels")
+        self.kernels = kernels
+
+    @classmethod
+    def can_implement(cls, spec: QuantizedLayerSpec) -> str | None:
+        if spec.act_dtype not in DTYPE_CODES:
+            return f"activations in {spec.act_dtype}"
+        if spec.encoding == "int" and spec.weight_bits not in (4, 8):
+            return f"{spec.weight_bits}-bit int codes (it takes 4 and 8)"
+        if spec.encoding not in _ENCODINGS:
+            return f"{spec.encoding} weights"
+        if spec.in_features % spec.group_size or spec.in_features % 2:
+            return f"{spec.in_features} input features in groups of {spec.group_size}"
+        shards = spec.shard_sizes or (spec.out_features,)
+        if any(size % 16 for size in shards):
+            return f"output shards {list(shards)} (it takes multiples of 16)"
+        act = spec.activation
+        if act is not None and act.encoding == "nvfp4" and (not act.dynamic
+                                                            or act.group_size != 16):
+            return "nvfp4 activations other than dynamic groups of 16"
+        if act is not None and act.strategy == "group" and (
+                not act.group_size or spec.in_features % act.group_size):
+            return f"activation groups of {act.group_size} over {spec.in_features} features"
+        if load_kernels() is None:
+            return "the plugin's C kernels could not be built here"
+        return None
+
+    @property
+    def description(self) -> str:
+        return f"{self.name} ({self.kernels.level})"
+
+    def prepare(self, layer: nn.Module, weights: QuantizedWeights) -> None:
+        packed = self.kernels.qgemm_pack(*pack_arguments(weights))
+        layer.register_buffer("q_packed", packed, persistent=False)
+        layer.quant_spec = weights.spec
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        return self.kernels.qgemm(layer.q_packed, x, layer.quant_spec.out_features, bias)
