@@ -118,11 +118,16 @@ def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
     if not runtime:
         return []
     level = runtime.get("isa_level")
-    kernels = ", ".join(f"{name} x{count}" for name, count in runtime["gemm_kernels"].items())
     where = f"{runtime['platform']}" + (f" ({level})" if level else "")
-    return [("runs on", f"{where}: {runtime['weight_dtype']} weights, "
-                        f"{runtime['activation_dtype']} activations"),
-            ("GEMMs", kernels or "-")]
+    cpu = runtime.get("cpu_model")
+    weights = (f"{runtime['quantization']} quantized" if runtime.get("quantization")
+               else runtime["weight_dtype"])
+    rows = [("runs on", f"{where}{f' on {cpu}' if cpu else ''}: {weights} weights "
+                        f"({runtime['weights_mib']} MiB), {runtime['activation_dtype']} "
+                        "activations")]
+    layers = runtime.get("layer_kernels") or {}
+    kernels = ", ".join(f"{kind}: {kernel}" for kind, kernel in layers.items())
+    return [*rows, ("GEMMs", kernels or "-")]
 
 
 def _timed_llm(engine_kwargs: dict[str, Any]):

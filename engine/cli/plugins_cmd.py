@@ -25,7 +25,9 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
             }
         )
     auto = registry.auto_platform()
+    formats = [{"name": cls.name, "plugin": plugin} for plugin, cls in registry.quant_methods()]
     return {
+        "quantization_formats": formats,
         "plugins": [
             {
                 "name": info.name,
@@ -99,6 +101,9 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append("(no plugins installed in entry-point group engine.plugins)")
     lines.append("")
     lines.extend(_kernel_lines(report))
+    if report["quantization_formats"]:
+        lines.append("quantization formats: " + ", ".join(
+            f"{f['name']} ({f['plugin']})" for f in report["quantization_formats"]))
     lines.append(f"--device auto -> {report['auto'] or '(no platform available)'}")
     if report["allowlist"] is not None:
         lines.append(f"ENGINE_PLUGINS limits loading to: {', '.join(report['allowlist'])}")
@@ -106,12 +111,56 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def model_kernels_report(model: str, device: str, quantization: str | None,
+                         dtype: str) -> dict[str, Any]:
+    """Load ``model`` on the platform of ``device`` as the engine would and report which
+    GEMM kernel each layer type got (and the quantization scheme and weight bytes)."""
+    from engine.core.engine_args import EngineArgs
+    from engine.core.plugins import resolve_platform
+    from engine.model_executor import kernel_report
+    from engine.model_executor.executor import load_platform_model
+
+    config = EngineArgs(model=model, device=device, quantization=quantization,
+                        dtype=dtype).create_engine_config()
+    platform = resolve_platform(config.device.device)
+    platform.check_and_update_config(config)
+    net, backend = load_platform_model(config, platform)
+    return {"model": model, "platform": platform.name, "attention_backend": backend.name,
+            "weight_dtype": config.model.dtype,
+            "activation_dtype": config.model.activation_dtype or config.model.dtype,
+            **kernel_report.report(net)}
+
+
+def render_model_kernels(report: dict[str, Any]) -> str:
+    weights = (f"{report['quantization']} quantized" if report["quantization"]
+               else report["weight_dtype"])
+    lines = [f"{report['model']} on {report['platform']}: {weights} weights "
+             f"({report['weights_mib']} MiB), {report['activation_dtype']} activations, "
+             f"attention {report['attention_backend']}"]
+    width = max((len(kind) for kind in report["layer_kernels"]), default=0)
+    lines += [f"  {kind.ljust(width)}  {kernel}" for kind, kernel in report["layer_kernels"].items()]
+    return "\n".join(lines)
+
+
 @click.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def plugins(as_json: bool) -> None:
+@click.option("--model", default=None, metavar="PATH",
+              help="Also load this model and show the GEMM kernel each layer type gets.")
+@click.option("--device", default="auto", show_default=True, help="Platform for --model.")
+@click.option("--quantization", "-q", default=None, help="As engine serve, for --model.")
+@click.option("--dtype", default="auto", show_default=True, help="As engine serve, for --model.")
+def plugins(as_json: bool, model: str | None, device: str, quantization: str | None,
+            dtype: str) -> None:
     """List installed plugins and platforms, and what --device auto would pick."""
     report = plugins_report(get_plugin_registry())
+    if model is not None:
+        try:
+            report["model"] = model_kernels_report(model, device, quantization, dtype)
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from exc
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         click.echo(render_table(report))
+        if model is not None:
+            click.echo(render_model_kernels(report["model"]))

@@ -14,10 +14,48 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.interfaces import Platform
 from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from engine.model_executor import kernel_report
 from engine.model_executor.model_loader import load_model
 from engine.model_executor.model_runner import KVCacheSpec, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def activation_dtype(config: EngineConfig, platform: Platform, dtype: torch.dtype) -> torch.dtype:
+    """What the model computes in: the config's activation dtype, else for ``--dtype
+    auto`` the platform's choice for these weights (recorded in the config), else the
+    weights' own dtype."""
+    model = config.model
+    if model.activation_dtype is not None:
+        return getattr(torch, model.activation_dtype)
+    if not model.dtype_is_auto:
+        return dtype
+    activation = platform.activation_dtype(dtype)
+    model.activation_dtype = str(activation).removeprefix("torch.")
+    return activation
+
+
+def load_platform_model(config: EngineConfig, platform: Platform) -> tuple[torch.nn.Module, Any]:
+    """The model of ``config`` loaded for ``platform``: its dtypes checked, its linears on
+    the platform's dense and quantized GEMM kernels, its layers on the platform's fused
+    ops and attention backend (returned too)."""
+    dtype = getattr(torch, config.model.dtype)
+    activation = activation_dtype(config, platform, dtype)
+    for wanted in {dtype, activation}:
+        why = platform.check_dtype(wanted)
+        if why:
+            raise ValueError(why)
+    backend_cls = platform.get_attention_backend(config.device.attention_backend)
+    attn_backend = backend_cls(config.cache.block_size, platform.device())
+    model = load_model(
+        config.model.model, dtype, platform.device(), attn_backend,
+        quantization=config.model.quantization,
+        dense_gemm_kernels=platform.dense_gemm_kernels(),
+        quantized_gemm_kernels=platform.quantized_gemm_kernels(),
+        fused_ops=platform.fused_ops(),
+        activation_dtype=activation,
+    )
+    return model, attn_backend
 
 
 class Executor:
@@ -36,26 +74,9 @@ class Executor:
         platform.seed_everything(config.model.seed)
 
         dtype = getattr(torch, config.model.dtype)
-        activation = self._activation_dtype(dtype)
-        for wanted in {dtype, activation}:
-            why = platform.check_dtype(wanted)
-            if why:
-                raise ValueError(why)
+        self.model, self.attn_backend = load_platform_model(config, platform)
+        self.weights_bytes = weights_bytes = kernel_report.weight_bytes(self.model)
         block_size = config.cache.block_size
-        backend_cls = platform.get_attention_backend(config.device.attention_backend)
-        self.attn_backend = backend_cls(block_size, platform.device())
-        self.model = load_model(
-            config.model.model, dtype, platform.device(), self.attn_backend,
-            quantization=config.model.quantization,
-            dense_gemm_kernels=platform.dense_gemm_kernels(),
-            quantized_gemm_kernels=platform.quantized_gemm_kernels(),
-            fused_ops=platform.fused_ops(),
-            activation_dtype=activation,
-        )
-        # quantized layers keep their packed weights as buffers: count what is held
-        tensors = (*self.model.parameters(), *self.model.buffers())
-        weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.weights_bytes = weights_bytes
 
         # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
         # float32 keeps bf16 K/V, which the attention kernels widen as they read.
@@ -76,56 +97,30 @@ class Executor:
         self.runner.allocate_kv_cache(self.kv_spec, self.num_blocks)
         logger.info(
             "platform %s, attention %s, %.1f MiB weights, %d KV blocks of %d tokens",
-            platform.name, backend_cls.name, weights_bytes / 2**20, self.num_blocks, block_size,
+            platform.name, self.attn_backend.name, weights_bytes / 2**20, self.num_blocks,
+            block_size,
         )
 
     def runtime_info(self) -> dict[str, Any]:
         """What this executor runs with (benchmark reports): platform, dtypes, attention
-        backend, the GEMM kernel of every linear, forward graphs, and the platform's own
-        kernel_info (the CPU's ISA level)."""
-        kernels: dict[str, int] = {}
-        for module in self.model.modules():
-            kernel = getattr(module, "quant_kernel", None)
-            if kernel is None and hasattr(module, "gemm_kernel") and getattr(
-                    module, "weight", None) is not None:
-                kernel = module.gemm_kernel
-            elif kernel is None:
-                continue
-            name = "F.linear" if kernel is None else getattr(kernel, "description", kernel.name)
-            kernels[name] = kernels.get(name, 0) + 1
+        backend, quantization and weight bytes, the GEMM kernel of every linear (counted,
+        and per layer type), forward graphs, and the platform's own kernel_info (the
+        CPU's ISA level)."""
         model = self.config.model
+        layers = kernel_report.report(self.model)
         return {
             "platform": self.platform.name,
             "attention_backend": self.attn_backend.name,
             "weight_dtype": model.dtype,
-            "quantization": self._quantization_name(),
-            "weights_mib": round(self.weights_bytes / 2**20, 2),
+            "quantization": layers["quantization"],
+            "weights_mib": layers["weights_mib"],
             "activation_dtype": model.activation_dtype or model.dtype,
             "kv_cache_dtype": str(self.kv_spec.dtype).removeprefix("torch."),
-            "gemm_kernels": kernels,
+            "gemm_kernels": layers["gemm_kernels"],
+            "layer_kernels": layers["layer_kernels"],
             "forward_graphs": self.runner.decode_graphs is not None,
             **self.platform.kernel_info(),
         }
-
-    def _quantization_name(self) -> str | None:
-        for module in self.model.modules():
-            method = getattr(module, "quant_method", None)
-            if getattr(module, "quant_kernel", None) is not None:
-                return method.scheme
-        return None
-
-    def _activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """What the model computes in: the config's activation dtype, else for ``--dtype
-        auto`` the platform's choice for these weights (recorded in the config), else the
-        weights' own dtype."""
-        model = self.config.model
-        if model.activation_dtype is not None:
-            return getattr(torch, model.activation_dtype)
-        if not model.dtype_is_auto:
-            return dtype
-        activation = self.platform.activation_dtype(dtype)
-        model.activation_dtype = str(activation).removeprefix("torch.")
-        return activation
 
     def _num_blocks(self, weights_bytes: int) -> int:
         cache = self.config.cache

@@ -134,3 +134,25 @@ def test_profile(tmp_path, llama_dir, eager):
     # The stages partition the reported step (up to the rounding of each figure).
     assert sum(stages.values()) == pytest.approx(results["step_ms"], abs=0.01)
     assert 0 < results["overhead_share"] < 1
+
+
+def test_a_quantized_checkpoint_reports_its_scheme_size_and_layer_kernels(tmp_path):
+    """The bench report says what ran: the checkpoint's scheme, its quantized weight
+    bytes (the int4 layers' packed codes, not a bf16 size) and each layer type's kernel."""
+    from tests.quantization.refs import FIXTURES
+
+    run = ["--input-len", "4", "--output-len", "2", "--warmup", "0", "--repeats", "1"]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "q").mkdir()
+    base = _bench(tmp_path / "base", "latency", "--model", str(FIXTURES / "base"), *run)
+    report = _bench(tmp_path / "q", "latency", "--model", str(FIXTURES / "ct-w4a16-g64"), *run)
+    runtime, base_runtime = report["runtime"], base["runtime"]
+    assert runtime["quantization"] == "compressed-tensors W4A16 (int4 g64) pack-quantized"
+    assert not base_runtime["quantization"]
+    # 4 of 9 linears' weights (all but the unquantized head and the embedding) shrink ~3.5x
+    assert runtime["weights_mib"] < 0.6 * base_runtime["weights_mib"]
+    layers = runtime["layer_kernels"]
+    assert set(layers) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert layers[kind].startswith("cpu_qgemm") and layers[kind].endswith("pack-quantized]")
+    assert layers["lm_head"].startswith("cpu_packed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -294,3 +295,28 @@ def test_pip_installed_plugin_selectable(pip_target: Path, monkeypatch: pytest.M
     finally:
         for module in ("acme_accel", "stale_accel"):
             sys.modules.pop(module, None)
+
+
+def test_plugins_lists_the_quantization_formats_and_a_models_layer_kernels(monkeypatch) -> None:
+    """The built-in formats arrive through the plugin hook like a third party's; with
+    --model, the kernel every layer type of that checkpoint gets on the chosen platform."""
+    from tests.quantization.refs import FIXTURES
+
+    monkeypatch.delenv(ALLOWLIST_ENV, raising=False)
+    reset_plugin_registry()
+    report = json.loads(_invoke("plugins", "--json", "--model",
+                                str(FIXTURES / "gptq-desc-act-g64"), "--device", "cpu"))
+    assert {"name": "gptq", "plugin": "quantization"} in report["quantization_formats"]
+    model = report["model"]
+    assert model["platform"] == "cpu" and model["quantization"] == "gptq"
+    assert model["layer_kernels"]["qkv_proj"].startswith("cpu_qgemm (") and (
+        model["layer_kernels"]["qkv_proj"].endswith("[gptq]"))
+    assert model["layer_kernels"]["lm_head"].startswith("cpu_packed")
+    text = _invoke("plugins", "--model", str(FIXTURES / "gptq-desc-act-g64"), "--device", "cpu")
+    assert "quantization formats: compressed-tensors (quantization), gptq (quantization)" in text
+    assert re.search(r"^  down_proj +cpu_qgemm \(\w+\) \[gptq\]$", text, re.M)
+
+
+def test_plugins_model_errors_are_clean() -> None:
+    result = CliRunner().invoke(main, ["plugins", "--model", "/nonexistent/model"])
+    assert result.exit_code == 1 and "Error:" in result.output and "Traceback" not in result.output

@@ -259,17 +259,20 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu import kernel_build
         from engine.plugins.cpu.gemm import gemm_preference
         from engine.plugins.cpu.native import native_kernels_enabled
+        from engine.plugins.cpu.quant_gemm import quant_gemm_preference
 
         info: dict[str, Any] = {"isa_level": None}
         try:
             info["isa_level"] = kernel_build.select_level().name
             info["isa_levels_runnable"] = [lv.name for lv in kernel_build.runnable_levels()]
             info["gemm_order"] = [k.name for k in gemm_preference()]
+            info["quantized_gemm_order"] = [k.name for k in quant_gemm_preference()]
         except ValueError as exc:  # a bad ENGINE_CPU_ISA / ENGINE_CPU_GEMM
             info["error"] = str(exc)
         if not native_kernels_enabled():
             info["isa_level"] = None
             info["error"] = "C kernels disabled (ENGINE_CPU_NATIVE_KERNELS=0)"
+        info["cpu_model"] = kernel_build.cpu_model_name()
         return info
 
     def communicator_cls(self) -> type[Communicator]:
