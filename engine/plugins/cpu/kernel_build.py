@@ -3,17 +3,18 @@
 The sources (``csrc/``) include no torch headers and are written once over vector types
 (``simd.h``), so each ISA level is the same source compiled with that level's flags:
 
-============  ==========================  =====================================
-level         compiler flags              CPUs (the /proc/cpuinfo flags it needs)
-============  ==========================  =====================================
-sse2          -march=x86-64               every x86-64 CPU
-avx2          -march=x86-64-v3            Haswell, Zen 1 and later (avx2, fma, f16c, ...)
-avx512        -march=x86-64-v4            Skylake-SP, Zen 4 and later (avx512f/bw/cd/dq/vl)
-avx512_bf16   + -mavx512bf16              Cooper Lake, Sapphire Rapids, Zen 4 (avx512_bf16)
-amx           + -mamx-tile -mamx-bf16     Sapphire Rapids and later (amx_tile, amx_bf16)
-neon          -march=armv8-a              every aarch64 CPU
-generic       (none)                      any other architecture: plain C
-============  ==========================  =====================================
+============  ============================  ===========================================
+level         compiler flags                CPUs (the /proc/cpuinfo flags it needs)
+============  ============================  ===========================================
+sse2          -march=x86-64                 every x86-64 CPU
+avx2          -march=x86-64-v3              Haswell, Zen 1 and later (avx2, fma, f16c, ...)
+avx512        -march=x86-64-v4              Skylake-SP, Zen 4 and later (avx512f/bw/cd/dq/vl)
+avx512_bf16   + -mavx512bf16 -mavx512vnni   Cooper Lake, Sapphire Rapids, Zen 4 (avx512_bf16,
+                                            avx512_vnni: every CPU with the one has both)
+amx           + -mamx-tile -mamx-bf16       Sapphire Rapids and later (amx_tile, amx_bf16)
+neon          -march=armv8-a                every aarch64 CPU
+generic       (none)                        any other architecture: plain C
+============  ============================  ===========================================
 
 :func:`select_level` picks the highest level this CPU runs (``$ENGINE_CPU_ISA`` may ask
 for a lower one: an AVX-512 machine can run, and tests do run, the avx2 and sse2
@@ -89,12 +90,13 @@ LEVELS: dict[str, IsaLevel] = {
         IsaLevel("avx2", "x86_64", ("-march=x86-64-v3", "-mtune=generic"), _X86_V3, 2),
         IsaLevel("avx512", "x86_64", ("-march=x86-64-v4", "-mtune=generic"), _X86_V4, 3),
         IsaLevel("avx512_bf16", "x86_64",
-                 ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16"),
-                 _X86_V4 | {"avx512_bf16"}, 4, bf16_dot=True),
+                 ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mavx512vnni"),
+                 _X86_V4 | {"avx512_bf16", "avx512_vnni"}, 4, bf16_dot=True),
         IsaLevel("amx", "x86_64",
-                 ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mamx-tile",
-                  "-mamx-bf16", "-DENGINE_AMX=1"),
-                 _X86_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, 5, bf16_dot=True),
+                 ("-march=x86-64-v4", "-mtune=generic", "-mavx512bf16", "-mavx512vnni",
+                  "-mamx-tile", "-mamx-bf16", "-DENGINE_AMX=1"),
+                 _X86_V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, 5,
+                 bf16_dot=True),
         IsaLevel("neon", "aarch64", ("-march=armv8-a",), frozenset(), 1),
     )
 }

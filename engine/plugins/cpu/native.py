@@ -93,11 +93,12 @@ class QGemmParams:
     act_dynamic: bool = False
     act_group: int = 0
     has_perm: bool = False
+    has_zeros: bool = False
 
     def words(self) -> list[int]:
         return [self.n, self.k, self.encoding, self.bits, self.group, self.act,
                 self.act_strategy, int(self.act_dynamic), self.act_group, int(self.has_perm),
-                len(self.shard_sizes), *self.shard_sizes]
+                int(self.has_zeros), len(self.shard_sizes), *self.shard_sizes]
 
 
 class NativeCall(NamedTuple):
@@ -221,6 +222,7 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, packed weights, bias (or NULL)
             _ptr, _i64, _i64, _i32,  # out, its row stride, M, activation dtype
         ])
+        self._qgemm_path = _bind(lib.qgemm_path, [_ptr])
         self._quantize_activations = _bind(lib.quantize_activations, [
             _ptr, _i64, _i64, _i64, _i32,  # x, row stride, M, K, dtype
             _i32, _i32, _i32, _i64, _f32, _ptr,  # scheme, strategy, dynamic, group, scale, out
@@ -466,8 +468,8 @@ class CPUKernels(FusedOps):
                                  f"{tensor.dtype} {list(tensor.shape)}")
             tensor = tensor.contiguous()
             args.append(tensor)
-        if (perm is None) == params.has_perm:
-            raise ValueError("qgemm_pack: perm must be given exactly when params.has_perm")
+        if (perm is None) == params.has_perm or (zeros is None) == params.has_zeros:
+            raise ValueError("qgemm_pack: perm / zeros must be given exactly when params say")
         packed = torch.empty(size, dtype=torch.uint8)
         pointers = [None if t is None else t.data_ptr() for t in args]
         _check(self._qgemm_pack(words.data_ptr(), *pointers, packed.data_ptr()), "qgemm_pack")
@@ -489,6 +491,13 @@ class CPUKernels(FusedOps):
             _check(self._qgemm(rows.data_ptr(), ldx, packed.data_ptr(), bias_ptr,
                                out.data_ptr(), n, m, DTYPE_CODES[x.dtype]), "qgemm")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def qgemm_uses_vnni(self, packed: torch.Tensor) -> bool:
+        """Whether a packed layer multiplies int8 activations by int8 weights (VNNI)."""
+        path = self._qgemm_path(packed.data_ptr())
+        if path < 0:
+            raise ValueError("not a layer packed by this library's qgemm_pack")
+        return path == 1
 
     def quantize_activations(self, x: torch.Tensor, scheme: int, strategy: int, dynamic: bool,
                              group: int = 0, scale: float = 0.0) -> torch.Tensor:

@@ -89,6 +89,7 @@ def pack_arguments(weights: QuantizedWeights) -> tuple:
         act_dynamic=bool(act is not None and act.dynamic),
         act_group=0 if act is None else (act.group_size or 0),
         has_perm=perm is not None,
+        has_zeros=weights.zeros is not None,
     )
     act_scales = weights.input_scales
     if act_scales is not None:
@@ -110,6 +111,7 @@ class CPUQuantizedGemm(QuantizedGemmKernel):
         if kernels is None:
             raise RuntimeError(f"{self.name} needs the plugin's C kernels")
         self.kernels = kernels
+        self.vnni = False  # set by prepare: W8A8 layers on a VNNI level multiply int8
 
     @classmethod
     def can_implement(cls, spec: QuantizedLayerSpec) -> str | None:
@@ -137,12 +139,14 @@ class CPUQuantizedGemm(QuantizedGemmKernel):
 
     @property
     def description(self) -> str:
-        return f"{self.name} ({self.kernels.level})"
+        path = ", int8 vnni" if self.vnni else ""
+        return f"{self.name} ({self.kernels.level}{path})"
 
     def prepare(self, layer: nn.Module, weights: QuantizedWeights) -> None:
         packed = self.kernels.qgemm_pack(*pack_arguments(weights))
         layer.register_buffer("q_packed", packed, persistent=False)
         layer.quant_spec = weights.spec
+        self.vnni = self.kernels.qgemm_uses_vnni(packed)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:

@@ -68,7 +68,8 @@ def test_a_failing_compile_is_reported_not_raised(monkeypatch, tmp_path, caplog)
 
 ZEN2 = frozenset({"sse4_1", "sse4_2", "ssse3", "cx16", "lahf_lm", "popcnt", "avx", "avx2",
                   "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
-ZEN4 = ZEN2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+ZEN4 = ZEN2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16",
+               "avx512_vnni"}
 
 
 def _names(levels) -> list[str]:

@@ -168,3 +168,24 @@ def test_malformed_calls_are_value_errors(engine_kernels):
         kernel.apply(layer, torch.randn(2, 256), torch.randn(63))
     with pytest.raises(ValueError, match="qgemm refused"):
         engine_kernels.qgemm(torch.zeros(4096, dtype=torch.uint8), torch.randn(1, 256), 64)
+
+
+def test_w8a8_multiplies_int8_where_the_level_has_vnni(kernels):
+    """Symmetric per-channel int8 weights with int8 activations take the int8 x int8 path
+    on levels with VNNI (the avx512_bf16 and amx builds) and the float path elsewhere;
+    both match the float64 product of the quantize-dequantized activations."""
+    gen = torch.Generator().manual_seed(9)
+    w = _weights(gen, "int", 8, 64, 512, 512, zeros=False,
+                 act=ActivationQuant("int8", "token", True))
+    layer = nn.Module()
+    kernel = CPUQuantizedGemm(kernels)
+    kernel.prepare(layer, w)
+    assert kernel.vnni == (kernels.level in ("avx512_bf16", "amx"))
+    assert kernel.description.endswith(", int8 vnni)") == kernel.vnni
+    for m in (1, 7, 100):
+        x = torch.randn(m, 512, generator=gen)
+        _assert_close(kernel.apply(layer, x), _reference(w, x, None))
+    with_zeros = _weights(gen, "int", 8, 64, 512, 512, act=ActivationQuant("int8", "token", True))
+    asym = CPUQuantizedGemm(kernels)
+    asym.prepare(nn.Module(), with_zeros)
+    assert not asym.vnni  # zero points: the float path

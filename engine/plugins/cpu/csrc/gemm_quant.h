@@ -42,7 +42,7 @@ enum { QENC_INT = 0, QENC_FP8 = 1, QENC_NVFP4 = 2 };
 enum { QK_INT4 = 0, QK_INT8 = 1, QK_FP8 = 2, QK_NVFP4 = 3 };
 /* qgemm_pack's parameter words */
 enum { QP_N, QP_K, QP_ENCODING, QP_BITS, QP_GROUP, QP_ACT, QP_ACT_STRATEGY, QP_ACT_DYNAMIC,
-       QP_ACT_GROUP, QP_HAS_PERM, QP_SHARDS, QP_SHARD_N /* one word per shard */ };
+       QP_ACT_GROUP, QP_HAS_PERM, QP_HAS_ZEROS, QP_SHARDS, QP_SHARD_N /* one per shard */ };
 #define QMAX_SHARDS 8
 #define QGEMM_MAGIC 0x314d4d4547514e45LL /* "ENQGEMM1" */
 #define QALIGN 64
@@ -59,8 +59,15 @@ typedef struct {
     int64_t magic, n, k, encoding, bits, group, act, act_strategy, act_dynamic, act_group;
     int64_t has_perm, shards, panel, panels, panel_bytes, code_bytes, groups;
     int64_t perm_off, act_scale_off, panels_off;
+    int64_t vnni; /* int8 x int8 panels (vnni_panel) instead of the float path's */
     int64_t shard_n[QMAX_SHARDS], shard_panels[QMAX_SHARDS];
 } qgemm_header;
+
+#if defined(__AVX512VNNI__) && VF == 16
+#define HAVE_QVNNI 1
+#else
+#define HAVE_QVNNI 0
+#endif
 
 static inline int64_t qalign(int64_t bytes) { return (bytes + QALIGN - 1) / QALIGN * QALIGN; }
 
@@ -162,6 +169,8 @@ static int qgemm_plan(const int64_t *p, qgemm_header *h) {
     h->group = p[QP_GROUP], h->act = p[QP_ACT], h->act_strategy = p[QP_ACT_STRATEGY];
     h->act_dynamic = p[QP_ACT_DYNAMIC], h->act_group = p[QP_ACT_GROUP];
     h->has_perm = p[QP_HAS_PERM], h->shards = p[QP_SHARDS], h->panel = PANEL;
+    if (p[QP_HAS_ZEROS] != 0 && p[QP_HAS_ZEROS] != 1)
+        return -1;
     if (h->n <= 0 || h->k <= 0 || h->group <= 0 || h->k % h->group || h->k % 2)
         return -1;
     if (h->encoding == QENC_INT ? h->bits != 4 && h->bits != 8
@@ -192,6 +201,9 @@ static int qgemm_plan(const int64_t *p, qgemm_header *h) {
     const int kind = qkind(h->encoding, h->bits);
     h->groups = h->k / h->group;
     h->code_bytes = h->k * qk_row_bytes(kind);
+    /* W8A8: symmetric per-channel int8 weights, int8 per-token / per-tensor activations */
+    h->vnni = HAVE_QVNNI && kind == QK_INT8 && h->group == h->k && h->k % 4 == 0 &&
+              h->act == QACT_INT8 && h->act_strategy != QSTRAT_GROUP && !p[QP_HAS_ZEROS];
     const int64_t scale_sets = h->encoding == QENC_INT ? 2 : 1; /* scales (+ -zero x scale) */
     h->panel_bytes = qalign(h->code_bytes + scale_sets * h->groups * PANEL * 4);
     h->perm_off = qalign(sizeof *h);
@@ -242,7 +254,7 @@ int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
 {
     qgemm_header h;
     if (qgemm_plan(params, &h)) return -1;
-    if (h.has_perm && perm == NULL) return -1;
+    if ((h.has_perm && perm == NULL) || (params[QP_HAS_ZEROS] != (zeros != NULL))) return -1;
     char *base = (char *)packed;
     memset(base, 0, (size_t)h.panels_off);
     memcpy(base, &h, sizeof h);
@@ -265,6 +277,22 @@ int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
         uint8_t *dst = (uint8_t *)base + h.panels_off + p * h.panel_bytes;
         memset(dst, 0, (size_t)h.panel_bytes);
         float *sc = (float *)(dst + h.code_bytes), *zs = sc + groups * PANEL;
+        if (h.vnni) { /* [k / 4][PANEL / 16][16 columns][4 k] signed codes; column sums */
+            int32_t *sums = (int32_t *)zs;
+            for (int64_t c = 0; c < width; c++) {
+                const int64_t row = col + c;
+                int32_t total = 0;
+                for (int64_t i = 0; i < h.k; i++) {
+                    const int code = (int)codes[row * h.k + i] - 128;
+                    dst[(i / 4) * 4 * PANEL + (c / 16) * 64 + (c % 16) * 4 + i % 4] =
+                        (uint8_t)(int8_t)code;
+                    total += code;
+                }
+                sc[c] = scales[row];
+                sums[c] = 128 * total;
+            }
+            continue;
+        }
         for (int64_t c = 0; c < width; c++) {
             const int64_t row = col + c;
             for (int64_t i = 0; i < h.k; i++) {
@@ -419,28 +447,37 @@ static void qdecode_dispatch(int kind, int rows, const float *x, int64_t ldx, co
     }
 }
 
-/* k's [k0, k0 + kc) of a panel dequantized to float32, `width` columns a row */
+/* k's [k0, k0 + kc) of a panel dequantized to float32, `width` columns a row (group by
+ * group: the scales are loaded once per group) */
 static inline __attribute__((always_inline)) void qdequant_block(
     const int kind, const uint8_t *codes, const float *sc, const float *zs, int64_t k0,
     int64_t kc, int64_t group, int64_t width, float *dst)
 {
-    const int64_t row_bytes = qk_row_bytes(kind), vecs = width / VF;
-    for (int64_t i = 0; i < kc; i++) {
-        const int64_t k = k0 + i, g = k / group;
-        vf w[GEMM_VECS];
-        q_load_k(kind, codes + k * row_bytes, w);
+    const int64_t row_bytes = qk_row_bytes(kind), vecs = width / VF, k_end = k0 + kc;
+    for (int64_t k = k0; k < k_end;) {
+        const int64_t g = k / group, g_end = (g + 1) * group < k_end ? (g + 1) * group : k_end;
+        vf s[GEMM_VECS], z[GEMM_VECS];
 #pragma GCC unroll 4
         for (int j = 0; j < GEMM_VECS; j++) {
-            if (j >= vecs) break;
-            const vf s = vf_load(sc + g * PANEL + j * VF);
-            vf v;
-            if (kind == QK_NVFP4)
-                v = vf_round_to_bf16(w[j] * s);
-            else if (kind == QK_FP8)
-                v = w[j] * s;
-            else
-                v = w[j] * s + vf_load(zs + g * PANEL + j * VF);
-            vf_store(dst + i * width + j * VF, v);
+            s[j] = vf_load(sc + g * PANEL + j * VF);
+            z[j] = kind <= QK_INT8 ? vf_load(zs + g * PANEL + j * VF) : vf_splat(0.0f);
+        }
+        for (; k < g_end; k++) {
+            vf w[GEMM_VECS];
+            q_load_k(kind, codes + k * row_bytes, w);
+            float *row = dst + (k - k0) * width;
+#pragma GCC unroll 4
+            for (int j = 0; j < GEMM_VECS; j++) {
+                if (j >= vecs) break;
+                vf v;
+                if (kind == QK_NVFP4)
+                    v = vf_round_to_bf16(w[j] * s[j]);
+                else if (kind == QK_FP8)
+                    v = w[j] * s[j];
+                else
+                    v = w[j] * s[j] + z[j];
+                vf_store(row + j * VF, v);
+            }
         }
     }
 }
@@ -477,6 +514,156 @@ static void qprefill_item(const qgemm_header *h, int kind, const float *x, int64
     }
 }
 
+#if HAVE_QVNNI
+/*
+ * W8A8 on VNNI: activations quantized to int8 codes (quant_act.h's rounding, so the
+ * codes are the ones the reference's QDQ produces), offset by 128 into the unsigned
+ * operand of vpdpbusd, multiplied with the signed weight codes 4 k at a time into int32
+ * sums (exact), then out = (sum - 128 x the weight column's sum) x activation scale x
+ * weight scale. 64 multiply-adds per instruction against the float path's 16.
+ */
+static void qvnni_quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k,
+                                const qgemm_header *h, float static_scale, uint8_t *u,
+                                float *sx)
+{
+    float tensor_scale = static_scale;
+    if (h->act_dynamic && h->act_strategy == QSTRAT_TENSOR) {
+        float top = 0.0f;
+        for (int64_t r = 0; r < m; r++) {
+            const float t = max_abs(x + r * ldx, k);
+            top = t > top ? t : top;
+        }
+        tensor_scale = dynamic_scale(QACT_INT8, top, 0.0f);
+    }
+#pragma omp parallel for if (m * k >= (1 << 15))
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * ldx;
+        const float scale = h->act_dynamic && h->act_strategy == QSTRAT_TOKEN
+                                ? dynamic_scale(QACT_INT8, max_abs(row, k), 0.0f)
+                                : tensor_scale;
+        sx[r] = scale;
+        const __m512 s = _mm512_set1_ps(scale);
+        uint8_t *dst = u + r * k;
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) {
+            const vf t = vf_clamp((vf)_mm512_div_ps(_mm512_loadu_ps(row + i), s), -128.0f, 127.0f);
+            const vf q = (t + QACT_ROUND_MAGIC) - QACT_ROUND_MAGIC;
+            const __m512i codes = _mm512_add_epi32(_mm512_cvttps_epi32((__m512)q),
+                                                   _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(codes));
+        }
+        for (; i < k; i++) {
+            float t = row[i] / scale;
+            t = t < -128.0f ? -128.0f : t > 127.0f ? 127.0f : t;
+            volatile float shifted = t + QACT_ROUND_MAGIC;
+            dst[i] = (uint8_t)((int)(shifted - QACT_ROUND_MAGIC) + 128);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qvnni_block(
+    const int R, const uint8_t *u, int64_t k, const float *sx, const uint8_t *panel,
+    const float *sw, const int32_t *sums, const void *bias, int64_t col, int64_t width,
+    void *out, int64_t ldo, const int odt, const int streamed)
+{
+    __m512i acc[GEMM_ROWS][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) acc[r][j] = _mm512_setzero_si512();
+    const int64_t quads = k / 4;
+    for (int64_t q = 0; q < quads; q++) {
+        const uint8_t *w = panel + q * 4 * PANEL;
+        if (streamed)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)w + 1024 + 64 * j, _MM_HINT_NTA);
+        __m512i wv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_si512(w + 64 * j);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, u + r * k + 4 * q, sizeof quad);
+            const __m512i xv = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4 && j * 16 < width; j++) {
+            const __m512i exact = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(sums + 16 * j));
+            vf v = (vf)_mm512_cvtepi32_ps(exact) * ((vf)_mm512_loadu_ps(sw + 16 * j) * sx[r]);
+            if (bias != NULL) v += vf_load_as(bias, col + 16 * j, odt);
+            vf_store_as(out, r * ldo + col + 16 * j, odt, v);
+        }
+}
+
+static void qvnni_rows(int rows, const uint8_t *u, int64_t k, const float *sx,
+                       const uint8_t *panel, const float *sw, const int32_t *sums,
+                       const void *bias, int64_t col, int64_t width, void *out, int64_t ldo,
+                       int odt, int streamed)
+{
+#define QVNNI_ARGS u, k, sx, panel, sw, sums, bias, col, width, out, ldo, odt, streamed
+    switch (rows) {
+    case 1: qvnni_block(1, QVNNI_ARGS); break;
+    case 2: qvnni_block(2, QVNNI_ARGS); break;
+    case 3: qvnni_block(3, QVNNI_ARGS); break;
+    case 4: qvnni_block(4, QVNNI_ARGS); break;
+    case 5: qvnni_block(5, QVNNI_ARGS); break;
+    default: qvnni_block(GEMM_ROWS, QVNNI_ARGS); break;
+    }
+#undef QVNNI_ARGS
+}
+
+static int qgemm_vnni(const qgemm_header *h, const char *base, const void *x, int64_t ldx,
+                      const void *bias, void *out, int64_t ldo, int64_t m, int adt)
+{
+    const int64_t k = h->k;
+    const float *act_scales = (const float *)(base + h->act_scale_off);
+    int sets = 1;
+    if (!h->act_dynamic)
+        for (int64_t s = 1; s < h->shards; s++)
+            if (act_scales[s] != act_scales[0]) sets = (int)h->shards;
+    const size_t bytes = (size_t)(sets * m * k), floats = (size_t)(m * k) + sets * m;
+    float *scratch = q_scratch_floats_of(floats + bytes / 4 + 2);
+    if (scratch == NULL) return -3;
+    float *rows = scratch, *sx = rows + m * k;
+    uint8_t *u = (uint8_t *)(sx + sets * m);
+    const float *src = (const float *)x;
+    int64_t ld = ldx;
+    if (adt != DTYPE_F32) {
+#pragma omp parallel for if (m * k >= (1 << 16))
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) rows[r * k + i] = load_at(x, r * ldx + i, adt);
+        src = rows;
+        ld = k;
+    }
+    for (int set = 0; set < sets; set++)
+        qvnni_quantize_rows(src, ld, m, k, h, act_scales[set], u + set * m * k, sx + set * m);
+    const uint8_t *panels = (const uint8_t *)base + h->panels_off;
+    const int streamed = m <= GEMM_ROWS;
+    const int64_t chunks = (m + GEMM_CHUNK - 1) / GEMM_CHUNK;
+#pragma omp parallel for collapse(2) schedule(static) if (h->panels * chunks > 1)
+    for (int64_t p = 0; p < h->panels; p++)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t shard, col, width;
+            qpanel_place(h, p, &shard, &col, &width);
+            const int set = sets > 1 ? (int)shard : 0;
+            const uint8_t *panel = panels + p * h->panel_bytes;
+            const float *sw = (const float *)(panel + h->code_bytes);
+            const int32_t *sums = (const int32_t *)(sw + PANEL);
+            const int64_t end = (c + 1) * GEMM_CHUNK < m ? (c + 1) * GEMM_CHUNK : m;
+            for (int64_t row = c * GEMM_CHUNK; row < end; row += GEMM_ROWS) {
+                const int n_rows = end - row < GEMM_ROWS ? (int)(end - row) : GEMM_ROWS;
+                qvnni_rows(n_rows, u + (set * m + row) * k, k, sx + set * m + row, panel, sw,
+                           sums, bias, col, width, (char *)out + row * ldo * dtype_size(adt),
+                           ldo, adt, streamed);
+            }
+        }
+    return 0;
+}
+#endif
+
 /* sums[r][g] of each group's values of rows [m, k] (ld apart) */
 static void q_group_sums(const float *rows, int64_t ld, int64_t m, int64_t k, int64_t group,
                          float *sums)
@@ -493,6 +680,81 @@ static void q_group_sums(const float *rows, int64_t ld, int64_t m, int64_t k, in
             sums[r * groups + g] = t;
         }
 }
+
+#if HAVE_BF16_DOT
+_Static_assert(PANEL == BF16_PANEL, "a quantized panel is one bf16 pair panel");
+/*
+ * bf16 activations on a level with vdpbf16ps (weight-only schemes): a chunk's panel is
+ * dequantized whole, rounded to bf16, into gemm_bf16.h's pair layout, and its register
+ * blocks run over it: the products a bf16 model's GEMM computes, at its speed.
+ */
+static void qprefill_bf16_item(const qgemm_header *h, int kind, const uint16_t *x, int64_t ldx,
+                               const uint8_t *panel, int64_t col, int64_t width, int64_t row0,
+                               int64_t row_end, const uint16_t *bias, uint16_t *out,
+                               int64_t ldo, uint16_t *pairs_buf, float *block)
+{
+    const float *sc = (const float *)(panel + h->code_bytes), *zs = sc + h->groups * PANEL;
+    const int64_t vecs = width / VF;
+    for (int64_t k0 = 0; k0 < h->k; k0 += GEMM_KC) {
+        const int64_t kc = h->k - k0 < GEMM_KC ? h->k - k0 : GEMM_KC; /* even: K and KC are */
+        qdequant_dispatch(kind, panel, sc, zs, k0, kc, h->group, width, block);
+        for (int64_t i = 0; i < kc / 2; i++) {
+            uint16_t *dst = pairs_buf + ((k0 / 2 + i) * width) * 2;
+            for (int64_t j = 0; j < vecs; j++) {
+                const __m512i even = _mm512_cvtepu16_epi32(
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(block + 2 * i * width + j * VF)));
+                const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                    _mm512_loadu_ps(block + (2 * i + 1) * width + j * VF)));
+                _mm512_storeu_si512(dst + j * 2 * VF,
+                                    _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+            }
+        }
+    }
+    for (int64_t row = row0; row < row_end; row += BF16_ROWS) {
+        const int rows = row_end - row < BF16_ROWS ? (int)(row_end - row) : BF16_ROWS;
+        bf16_rows_times_panel(rows, width, x + row * ldx, ldx, pairs_buf, h->k / 2, bias, col,
+                              out + row * ldo, ldo, 0);
+    }
+}
+
+/* The bf16 schedule: x [m, k] bf16 (permuted into act-order first), out bf16. */
+static int qgemm_bf16(const qgemm_header *h, int kind, const uint16_t *x, int64_t ldx,
+                      const uint8_t *panels, const int64_t *perm, const uint16_t *bias,
+                      uint16_t *out, int64_t ldo, int64_t m)
+{
+    const int64_t k = h->k;
+    if (perm != NULL) {
+        uint16_t *permuted = (uint16_t *)q_scratch_floats_of((size_t)(m * k + 1) / 2 + 1);
+        if (permuted == NULL) return -3;
+#pragma omp parallel for if (m * k >= (1 << 16))
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) permuted[r * k + i] = x[r * ldx + perm[i]];
+        x = permuted;
+        ldx = k;
+    }
+    const int64_t chunks = (m + GEMM_CHUNK - 1) / GEMM_CHUNK;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        uint16_t *pairs_buf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(k * PANEL));
+        float *block = (float *)malloc(sizeof(float) * GEMM_KC * PANEL);
+        failed = pairs_buf == NULL || block == NULL;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < h->panels; p++)
+            for (int64_t c = 0; c < chunks; c++) {
+                if (pairs_buf == NULL || block == NULL) continue;
+                int64_t shard, col, width;
+                qpanel_place(h, p, &shard, &col, &width);
+                const int64_t end = (c + 1) * GEMM_CHUNK < m ? (c + 1) * GEMM_CHUNK : m;
+                qprefill_bf16_item(h, kind, x, ldx, panels + p * h->panel_bytes, col, width,
+                                   c * GEMM_CHUNK, end, bias, out, ldo, pairs_buf, block);
+            }
+        free(pairs_buf);
+        free(block);
+    }
+    return failed ? -3 : 0;
+}
+#endif
 
 /*
  * The activations every shard's panels read: x as float32 rows, quantize-dequantized
@@ -582,6 +844,17 @@ int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void
     const char *base = (const char *)packed;
     const int kind = qkind(h->encoding, h->bits);
     const int decode = m <= GEMM_ROWS;
+#if HAVE_QVNNI
+    if (h->vnni)
+        return qgemm_vnni(h, base, x, ldx, bias, out, ldo, m, adt);
+#endif
+#if HAVE_BF16_DOT
+    if (!decode && adt == DTYPE_BF16 && h->act == QACT_NONE)
+        return qgemm_bf16(h, kind, (const uint16_t *)x, ldx,
+                          (const uint8_t *)base + h->panels_off,
+                          h->has_perm ? (const int64_t *)(base + h->perm_off) : NULL,
+                          (const uint16_t *)bias, (uint16_t *)out, ldo, m);
+#endif
     int sets;
     int64_t ld;
     const float *sums = NULL;
@@ -618,6 +891,16 @@ int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void
             }
     }
     return 0;
+}
+
+/* The schedule a packed layer runs: 1 int8 x int8 (VNNI), 0 float32 multiply-adds (bf16
+ * activations of weight-only layers take vdpbf16ps from the prefill sizes), -1 not a
+ * layer of this library. */
+int qgemm_path(const void *packed)
+{
+    const qgemm_header *h = (const qgemm_header *)packed;
+    if (h->magic != QGEMM_MAGIC || h->panel != PANEL) return -1;
+    return h->vnni ? 1 : 0;
 }
 
 /* out [m, k] float32 = QDQ(x [m, k] in adt): the activations' half of the scheme alone,

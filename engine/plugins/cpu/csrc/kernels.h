@@ -49,6 +49,7 @@ int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
                const float *zeros, const int64_t *perm, const float *act_scales, void *packed);
 int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *out,
           int64_t ldo, int64_t m, int adt);
+int qgemm_path(const void *packed);
 int quantize_activations(const void *x, int64_t ldx, int64_t m, int64_t k, int adt, int act,
                          int strategy, int dynamic, int64_t group, float scale, float *out);
 
