@@ -47,6 +47,35 @@ enum { QP_N, QP_K, QP_ENCODING, QP_BITS, QP_GROUP, QP_ACT, QP_ACT_STRATEGY, QP_A
 #define QGEMM_MAGIC 0x314d4d4547514e45LL /* "ENQGEMM1" */
 #define QALIGN 64
 
+/* nvfp4 on AVX2 / AVX-512: a weight bf16(e2m1 x s) is a power of two times bf16(s) or
+ * bf16(1.5 s) (rounding commutes with powers of two), so the panel keeps those two
+ * scales per group and the inner loop looks each code up in two 16-entry tables: the
+ * power of two that multiplies A = bf16(s) (codes 0.5, 1, 2, 4) and B = bf16(1.5 s)
+ * (1.5, 3, 6). Two permutes and two multiply-adds, exact, instead of a product and a
+ * rounding per weight. */
+#if defined(__AVX2__)
+#define NV_LUT 1
+#define NV_ROWS 2 /* rows per decode block: two accumulator sets per row */
+#else
+#define NV_LUT 0
+#endif
+#if NV_LUT
+static const float NV_TABLE_A[16] = {0, .5f, 1, 0, 2, 0, 4, 0,
+                                     -0.f, -.5f, -1, -0.f, -2, -0.f, -4, -0.f};
+static const float NV_TABLE_B[16] = {0, 0, 0, 1, 0, 2, 0, 4,
+                                     -0.f, -0.f, -0.f, -1, -0.f, -2, -0.f, -4};
+
+/* table[idx] per lane, idx 0 .. 15 (bit 3: the sign, the tables are symmetric) */
+static inline vf vf_lut16(vi idx, const float *table) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_permutexvar_ps((__m512i)idx, _mm512_loadu_ps(table));
+#else
+    const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), (__m256i)idx);
+    return (vf)((vi)mag ^ ((idx & 8) << 28));
+#endif
+}
+#endif
+
 #if HAVE_FLOAT16
 #define FP8_UNIT 256.0f    /* e4m3 codes decode to value / 256 (fp16 bits) */
 #define E2M1_UNIT 16384.0f /* e2m1 codes decode to value / 2^14 */
@@ -79,6 +108,14 @@ static inline int qkind(int64_t encoding, int64_t bits) {
 /* bytes of one k's codes in a panel */
 static inline int64_t qk_row_bytes(int kind) {
     return kind == QK_INT4 || kind == QK_NVFP4 ? PANEL / 2 : PANEL;
+}
+
+/* a panel's second scale set (after `groups` groups of the first): -zero x scale (int
+ * codes, float32) or B (nvfp4 tables, bf16) */
+static inline const float *q_second_scales(int kind, const float *sc, int64_t groups) {
+    if (NV_LUT && kind == QK_NVFP4)
+        return (const float *)((const uint16_t *)sc + groups * PANEL);
+    return sc + groups * PANEL;
 }
 
 static inline vf vf_round_to_bf16(vf v) {
@@ -204,8 +241,10 @@ static int qgemm_plan(const int64_t *p, qgemm_header *h) {
     /* W8A8: symmetric per-channel int8 weights, int8 per-token / per-tensor activations */
     h->vnni = HAVE_QVNNI && kind == QK_INT8 && h->group == h->k && h->k % 4 == 0 &&
               h->act == QACT_INT8 && h->act_strategy != QSTRAT_GROUP && !p[QP_HAS_ZEROS];
-    const int64_t scale_sets = h->encoding == QENC_INT ? 2 : 1; /* scales (+ -zero x scale) */
-    h->panel_bytes = qalign(h->code_bytes + scale_sets * h->groups * PANEL * 4);
+    /* scales, and -zero x scale (int) or bf16(1.5 x scale) (nvfp4 tables) */
+    const int64_t scale_bytes = NV_LUT && kind == QK_NVFP4 ? 2 * 2 /* A and B in bf16 */
+                                : h->encoding == QENC_INT ? 2 * 4 : 4;
+    h->panel_bytes = qalign(h->code_bytes + scale_bytes * h->groups * PANEL);
     h->perm_off = qalign(sizeof *h);
     h->act_scale_off = h->perm_off + (h->has_perm ? qalign(8 * h->k) : 0);
     h->panels_off = h->act_scale_off + qalign(4 * QMAX_SHARDS);
@@ -307,6 +346,14 @@ int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
             }
             for (int64_t g = 0; g < groups; g++) {
                 const float s = scales[row * groups + g];
+#if NV_LUT
+                if (kind == QK_NVFP4) { /* bf16 A = bf16(s), then B = bf16(1.5 s) */
+                    uint16_t *a = (uint16_t *)sc, *b = a + groups * PANEL;
+                    a[g * PANEL + c] = f32_to_bf16(s);
+                    b[g * PANEL + c] = f32_to_bf16(1.5f * s);
+                    continue;
+                }
+#endif
                 sc[g * PANEL + c] = s * unit;
                 if (h.encoding == QENC_INT) {
                     const float z = zeros != NULL ? zeros[row * groups + g] : midpoint;
@@ -423,6 +470,78 @@ static inline __attribute__((always_inline)) void qdecode_panel(
             vf_store_as(out, r * ldo + col + c, odt, vf_load(tile + r * PANEL + c));
 }
 
+#if NV_LUT
+/* qdecode_panel for nvfp4 codes on the tables (NV_LUT): R <= NV_ROWS rows */
+static inline __attribute__((always_inline)) void qdecode_nvfp4_panel(
+    const int R, const float *x, int64_t ldx, const uint8_t *codes, const uint16_t *sa,
+    const uint16_t *sb, int64_t k, const void *bias, int64_t col, int64_t width, void *out,
+    int64_t ldo, const int odt, const int streamed)
+{
+    enum { J = GEMM_VECS };
+    float tile[NV_ROWS * PANEL] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < PANEL; c++)
+            tile[r * PANEL + c] = bias != NULL && c < width ? load_at(bias, col + c, odt) : 0.0f;
+    const int64_t row_bytes = PANEL / 2, groups = k / 16;
+    for (int64_t g = 0; g < groups; g++) {
+        vf acc_a[NV_ROWS][J], acc_b[NV_ROWS][J];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j++)
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) acc_a[r][j] = acc_b[r][j] = vf_splat(0.0f);
+        for (int64_t i = g * 16; i < (g + 1) * 16; i++) {
+            const uint8_t *c0 = codes + i * row_bytes;
+            if (streamed && i % 2 == 0)
+                __builtin_prefetch(c0 + PREFETCH_AHEAD, 0, 0);
+#pragma GCC unroll 4
+            for (int jp = 0; jp < J / 2; jp++) {
+                const vi v = vi_from_u8(c0 + jp * VF), lo = v & 15, hi = v >> 4;
+                const vf a0 = vf_lut16(lo, NV_TABLE_A), b0 = vf_lut16(lo, NV_TABLE_B);
+                const vf a1 = vf_lut16(hi, NV_TABLE_A), b1 = vf_lut16(hi, NV_TABLE_B);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; r++) {
+                    const float xv = x[r * ldx + i];
+                    acc_a[r][2 * jp] += xv * a0;
+                    acc_b[r][2 * jp] += xv * b0;
+                    acc_a[r][2 * jp + 1] += xv * a1;
+                    acc_b[r][2 * jp + 1] += xv * b1;
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < J; j++) {
+                float *t = tile + r * PANEL + j * VF;
+                vf_store(t, vf_load(t) + acc_a[r][j] * vf_load_bf16(sa + g * PANEL + j * VF) +
+                                acc_b[r][j] * vf_load_bf16(sb + g * PANEL + j * VF));
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < width; c += VF)
+            vf_store_as(out, r * ldo + col + c, odt, vf_load(tile + r * PANEL + c));
+}
+
+/* every row of a decode call against one nvfp4 panel, NV_ROWS at a time (the panel stays
+ * in cache after the first block) */
+static void qdecode_nvfp4_rows(int rows, const float *x, int64_t ldx, const uint8_t *codes,
+                               const uint16_t *sa, const uint16_t *sb, int64_t k, const void *bias,
+                               int64_t col, int64_t width, void *out, int64_t ldo, int odt)
+{
+    const int streamed = rows <= NV_ROWS;
+    for (int r0 = 0; r0 < rows; r0 += NV_ROWS) {
+        const float *xr = x + r0 * ldx;
+        void *o = (char *)out + r0 * ldo * dtype_size(odt);
+        if (rows - r0 >= 2)
+            qdecode_nvfp4_panel(2, xr, ldx, codes, sa, sb, k, bias, col, width, o, ldo, odt,
+                                streamed);
+        else
+            qdecode_nvfp4_panel(1, xr, ldx, codes, sa, sb, k, bias, col, width, o, ldo, odt,
+                                streamed);
+    }
+}
+#endif
+
 #define QDECODE_ROWS(KIND)                                                                 \
     switch (rows) {                                                                        \
     case 1: qdecode_panel(1, KIND, QDECODE_ARGS); break;                                   \
@@ -439,6 +558,13 @@ static void qdecode_dispatch(int kind, int rows, const float *x, int64_t ldx, co
                              int64_t group, const void *bias, int64_t col, int64_t width,
                              void *out, int64_t ldo, int odt)
 {
+#if NV_LUT
+    if (kind == QK_NVFP4) {
+        qdecode_nvfp4_rows(rows, x, ldx, codes, (const uint16_t *)sc, (const uint16_t *)zs, k,
+                           bias, col, width, out, ldo, odt);
+        return;
+    }
+#endif
     switch (kind) {
     case QK_INT4: QDECODE_ROWS(QK_INT4); break;
     case QK_INT8: QDECODE_ROWS(QK_INT8); break;
@@ -459,17 +585,40 @@ static inline __attribute__((always_inline)) void qdequant_block(
         vf s[GEMM_VECS], z[GEMM_VECS];
 #pragma GCC unroll 4
         for (int j = 0; j < GEMM_VECS; j++) {
+#if NV_LUT
+            if (kind == QK_NVFP4) { /* bf16 A and B (see NV_LUT) */
+                s[j] = vf_load_bf16((const uint16_t *)sc + g * PANEL + j * VF);
+                z[j] = vf_load_bf16((const uint16_t *)zs + g * PANEL + j * VF);
+                continue;
+            }
+#endif
             s[j] = vf_load(sc + g * PANEL + j * VF);
             z[j] = kind <= QK_INT8 ? vf_load(zs + g * PANEL + j * VF) : vf_splat(0.0f);
         }
         for (; k < g_end; k++) {
             vf w[GEMM_VECS];
-            q_load_k(kind, codes + k * row_bytes, w);
+#if NV_LUT
+            vi nib[GEMM_VECS]; /* nvfp4: the codes, for the tables */
+            if (kind == QK_NVFP4)
+#pragma GCC unroll 4
+                for (int jp = 0; jp < GEMM_VECS / 2; jp++) {
+                    const vi v = vi_from_u8(codes + k * row_bytes + jp * VF);
+                    nib[2 * jp] = v & 15;
+                    nib[2 * jp + 1] = v >> 4;
+                }
+            else
+#endif
+                q_load_k(kind, codes + k * row_bytes, w);
             float *row = dst + (k - k0) * width;
 #pragma GCC unroll 4
             for (int j = 0; j < GEMM_VECS; j++) {
                 if (j >= vecs) break;
                 vf v;
+#if NV_LUT
+                if (kind == QK_NVFP4)
+                    v = vf_lut16(nib[j], NV_TABLE_A) * s[j] + vf_lut16(nib[j], NV_TABLE_B) * z[j];
+                else
+#endif
                 if (kind == QK_NVFP4)
                     v = vf_round_to_bf16(w[j] * s[j]);
                 else if (kind == QK_FP8)
@@ -500,7 +649,8 @@ static void qprefill_item(const qgemm_header *h, int kind, const float *x, int64
 {
     float widened[GEMM_KC * PANEL] __attribute__((aligned(64)));
     float tile[GEMM_CHUNK * PANEL] __attribute__((aligned(64)));
-    const float *sc = (const float *)(panel + h->code_bytes), *zs = sc + h->groups * PANEL;
+    const float *sc = (const float *)(panel + h->code_bytes);
+    const float *zs = q_second_scales(kind, sc, h->groups);
     for (int64_t k0 = 0; k0 < h->k; k0 += GEMM_KC) {
         const int64_t kc = h->k - k0 < GEMM_KC ? h->k - k0 : GEMM_KC;
         qdequant_dispatch(kind, panel, sc, zs, k0, kc, h->group, width, widened);
@@ -693,7 +843,8 @@ static void qprefill_bf16_item(const qgemm_header *h, int kind, const uint16_t *
                                int64_t row_end, const uint16_t *bias, uint16_t *out,
                                int64_t ldo, uint16_t *pairs_buf, float *block)
 {
-    const float *sc = (const float *)(panel + h->code_bytes), *zs = sc + h->groups * PANEL;
+    const float *sc = (const float *)(panel + h->code_bytes);
+    const float *zs = q_second_scales(kind, sc, h->groups);
     const int64_t vecs = width / VF;
     for (int64_t k0 = 0; k0 < h->k; k0 += GEMM_KC) {
         const int64_t kc = h->k - k0 < GEMM_KC ? h->k - k0 : GEMM_KC; /* even: K and KC are */
@@ -873,7 +1024,8 @@ int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void
             const uint8_t *panel = panels + p * h->panel_bytes;
             const float *sc = (const float *)(panel + h->code_bytes);
             qdecode_dispatch(kind, (int)m, rows + set * set_floats, ld, sums + set * set_sums,
-                             panel, sc, sc + h->groups * PANEL, h->k, h->group, bias, col,
+                             panel, sc, q_second_scales(kind, sc, h->groups), h->k, h->group,
+                             bias, col,
                              width, out, ldo, odt);
         }
     } else {
