@@ -67,10 +67,13 @@ def _checkpoint_config(hf_config: Any) -> dict[str, Any] | None:
     return dict(raw)
 
 
-def _unknown(name: str, formats: dict[str, type[QuantMethod]]) -> ValueError:
+def _unknown(name: str, formats: dict[str, type[QuantMethod]], requested: bool = False
+             ) -> ValueError:
     import os
 
     known = ", ".join(sorted(formats)) or "none"
+    if requested:  # --quantization also takes the kernel families
+        known += f" (or a kernel family: {', '.join(sorted(KERNEL_FAMILIES))})"
     hint = ""
     if os.environ.get("ENGINE_PLUGINS"):
         hint = (f" (ENGINE_PLUGINS={os.environ['ENGINE_PLUGINS']} limits the plugins loaded; "
@@ -94,7 +97,7 @@ def resolve_quantization(hf_config: Any, requested: str | None = None) -> Quanti
         family = KernelFamily("marlin", requested)
     elif requested is not None:
         if requested not in formats:
-            raise _unknown(requested, formats)
+            raise _unknown(requested, formats, requested=True)
         if stored is None:
             if requested != "fp8":
                 raise ValueError(f"--quantization {requested} needs a {requested} checkpoint; "

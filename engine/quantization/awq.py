@@ -28,6 +28,8 @@ INVERSE = tuple(ORDER.index(c) for c in range(8))
 
 
 class AWQLinearMethod(QuantizedLinearMethod):
+    scale_params = ("scales",)
+
     def __init__(self, config: "AWQConfig") -> None:
         self.config = config
         self.scheme = "awq"

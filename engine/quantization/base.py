@@ -28,7 +28,7 @@ from engine.core.interfaces import (
     QuantizedWeights,
     select_quantized_kernel,
 )
-from engine.model_executor.layers.linear import ParamLayout
+from engine.model_executor.layers.linear import ParamLayout, param_layout
 
 
 def add_param(layer: nn.Module, name: str, shape: Sequence[int], dtype: torch.dtype,
@@ -73,6 +73,10 @@ class QuantizedLinearMethod(ABC):
     module docstring); one instance per scheme, shared by the layers that use it."""
 
     scheme: str  # for messages, e.g. "gptq", "compressed-tensors w4a16"
+    # checkpoint scales that must be finite and positive (no tool writes a zero: they
+    # replace it by an epsilon); checked before decoding, so a corrupt file is an error
+    # naming the tensor instead of NaN / zero outputs
+    scale_params: tuple[str, ...] = ()
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
@@ -90,6 +94,7 @@ class QuantizedLinearMethod(ABC):
     def finish_loading(self, layer: nn.Module, kernels: list[type[QuantizedGemmKernel]],
                        kernel_filter: Any = None) -> QuantizedGemmKernel:
         """Decode, pick the kernel, hand the weights over, drop the checkpoint tensors."""
+        check_scales(layer, self.scale_params)
         weights = self.decode(layer)
         shards = tuple(weights.shard_sizes) or (weights.spec.out_features,)
         weights.spec = dataclasses.replace(weights.spec, shard_sizes=shards)
@@ -107,6 +112,58 @@ class QuantizedLinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
         return layer.quant_kernel.apply(layer, x, bias)
+
+
+def _shard_at(layer: nn.Module, param: torch.Tensor, index: tuple[int, ...]) -> Any:
+    """The fused shard owning element ``index`` of ``param`` (None for a plain layer or a
+    parameter without output features)."""
+    shards = list(layer.shard_sizes)
+    if len(shards) == 1:
+        return None
+    layout = param_layout(param)
+    if layout.per_shard:
+        return shards[index[0]]
+    if layout.output_dim is None:
+        return None
+    row = index[layout.output_dim]
+    if layout.packed_dim == layout.output_dim:
+        row *= layout.packed_factor
+    for shard, size in layer.shard_sizes.items():
+        if row < size:
+            return shard
+        row -= size
+    return None
+
+
+def check_scales(layer: nn.Module, names: Sequence[str]) -> None:
+    """A ValueError naming the first of ``names`` (the layer's loaded scale tensors) that
+    holds a NaN, infinite, zero or negative value, and the fused shard it belongs to."""
+    for name in names:
+        param = getattr(layer, name, None)
+        if param is None:
+            continue
+        values = param.detach().float()
+        bad = ~torch.isfinite(values) | (values <= 0)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            shard = _shard_at(layer, param, index)
+            where = "" if shard is None else f" (shard {shard!r})"
+            raise ValueError(f"checkpoint tensor {name}{where} holds {int(bad.sum())} invalid "
+                             f"value(s), e.g. {values[index].item()} at {list(index)}: scales "
+                             "must be finite and positive (a corrupt checkpoint?)")
+
+
+def check_whole_blocks(layer: nn.Module, scheme: str, rows: int, cols: int,
+                       in_features: int) -> None:
+    """Block-scaled weights load only as whole blocks: every output shard a multiple of
+    ``rows`` and the input features of ``cols`` (a ValueError saying so, instead of the
+    shard loader's misalignment message)."""
+    sizes = list(layer.shard_sizes.values())
+    if any(size % rows for size in sizes) or in_features % cols:
+        raise ValueError(f"{scheme}: {rows}x{cols} weight blocks need output shards and input "
+                         f"features that are whole blocks; this layer has output shards "
+                         f"{sizes} and {in_features} input features (partial, padded blocks "
+                         "are not supported)")
 
 
 def shard_g_idx(layer: nn.Module, g_idx: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from engine.model_executor.layers.linear import DENSE_WEIGHT, ParamLayout
 from engine.quantization.base import (
     QuantizedLinearMethod,
     add_param,
+    check_whole_blocks,
     expand_rows,
     num_shards,
     shard_g_idx,
@@ -88,7 +89,24 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        return f"compressed-tensors {self.format}"
+        """llm-compressor's scheme name with its details, e.g. "compressed-tensors W4A16
+        (int4 g128) pack-quantized"."""
+        w, a = self.weights, self.activations
+        if w.type == "float" and w.num_bits == 4:
+            label, detail = ("NVFP4" if a else "NVFP4A16"), "e2m1 g16"
+        else:
+            kind = f"int{w.num_bits}" if w.type == "int" else "fp8"
+            label = (f"W{w.num_bits}A16" if a is None else
+                     "FP8" if w.type == "float" else f"W{w.num_bits}A{a.num_bits}")
+            grouping = f"g{w.group_size}" if w.strategy == "group" else w.strategy
+            if w.block_structure:
+                grouping = "block " + "x".join(map(str, w.block_structure))
+            detail = f"{kind} {grouping}{'' if w.symmetric else ' asym'}"
+            if a is not None:
+                detail += (f", {'dynamic' if a.dynamic else 'static'} per-"
+                           f"{'group ' + str(a.group_size) if a.strategy == 'group' else a.strategy}"
+                           " activations")
+        return f"compressed-tensors {label} ({detail}) {self.format}"
 
 
 def _activation(args: QuantArgs | None, scheme: str) -> ActivationQuant | None:
@@ -130,6 +148,8 @@ def _group(in_features: int, args: QuantArgs, scheme: str) -> int:
 
 
 class _CTMethod(QuantizedLinearMethod):
+    scale_params = ("weight_scale", "input_scale", "weight_global_scale", "input_global_scale")
+
     def __init__(self, scheme: Scheme) -> None:
         self.s = scheme
         self.scheme = scheme.name
@@ -236,6 +256,7 @@ class Fp8(_CTMethod):
             add_param(layer, "weight_scale", (out_features, 1), torch.float32, PER_ROW)
         elif w.strategy == "block":
             rows, cols = w.block_structure
+            check_whole_blocks(layer, self.scheme, rows, cols, in_features)
             add_param(layer, "weight_scale", (-(-out_features // rows), -(-in_features // cols)),
                       torch.float32, ParamLayout(0, 1, packed_dim=0, packed_factor=rows))
         else:

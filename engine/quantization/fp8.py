@@ -20,7 +20,13 @@ import torch
 
 from engine.core.interfaces import ActivationQuant, QuantizedLayerSpec, QuantizedWeights, QuantMethod
 from engine.model_executor.layers.linear import DENSE_WEIGHT, ParamLayout
-from engine.quantization.base import QuantizedLinearMethod, add_param, expand_rows, num_shards
+from engine.quantization.base import (
+    QuantizedLinearMethod,
+    add_param,
+    check_whole_blocks,
+    expand_rows,
+    num_shards,
+)
 from engine.quantization.numerics import FP8_MAX
 
 PER_SHARD = ParamLayout(output_dim=None, input_dim=None, per_shard=True)
@@ -36,6 +42,8 @@ def _spec(layer, group: int, activation: ActivationQuant, scheme: str) -> Quanti
 class Fp8CheckpointMethod(QuantizedLinearMethod):
     """A layer of an FP8 checkpoint."""
 
+    scale_params = ("weight_scale", "weight_scale_inv", "input_scale")
+
     def __init__(self, config: "Fp8Config") -> None:
         self.config = config
         self.scheme = "fp8"
@@ -47,6 +55,7 @@ class Fp8CheckpointMethod(QuantizedLinearMethod):
             add_param(layer, "weight_scale", (num_shards(layer),), torch.float32, PER_SHARD)
         else:
             rows, cols = block
+            check_whole_blocks(layer, "fp8", rows, cols, in_features)
             add_param(layer, "weight_scale_inv", (-(-out_features // rows), -(-in_features // cols)),
                       torch.float32, ParamLayout(0, 1, packed_dim=0, packed_factor=rows))
         if self.config.static:

@@ -34,6 +34,8 @@ PER_SHARD = ParamLayout(output_dim=None, input_dim=None, per_shard=True)
 
 
 class GPTQLinearMethod(QuantizedLinearMethod):
+    scale_params = ("scales",)
+
     def __init__(self, config: "GPTQConfig") -> None:
         self.config = config
         self.scheme = "gptq"
