@@ -94,11 +94,12 @@ class QGemmParams:
     act_group: int = 0
     has_perm: bool = False
     has_zeros: bool = False
+    act_dtype: int = 0  # DTYPE_CODES of the activations the layer will be called with
 
     def words(self) -> list[int]:
         return [self.n, self.k, self.encoding, self.bits, self.group, self.act,
                 self.act_strategy, int(self.act_dynamic), self.act_group, int(self.has_perm),
-                int(self.has_zeros), len(self.shard_sizes), *self.shard_sizes]
+                int(self.has_zeros), self.act_dtype, len(self.shard_sizes), *self.shard_sizes]
 
 
 class NativeCall(NamedTuple):
@@ -492,12 +493,13 @@ class CPUKernels(FusedOps):
                                out.data_ptr(), n, m, DTYPE_CODES[x.dtype]), "qgemm")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
-    def qgemm_uses_vnni(self, packed: torch.Tensor) -> bool:
-        """Whether a packed layer multiplies int8 activations by int8 weights (VNNI)."""
+    def qgemm_path(self, packed: torch.Tensor) -> str:
+        """How a packed layer multiplies: "float32" (dequantized weights, float32
+        multiply-adds), "int8 vnni" (W8A8: int8 x int8) or "int4 x bf16" (vdpbf16ps)."""
         path = self._qgemm_path(packed.data_ptr())
         if path < 0:
             raise ValueError("not a layer packed by this library's qgemm_pack")
-        return path == 1
+        return {0: "float32", 1: "int8 vnni", 2: "int4 x bf16"}[path]
 
     def quantize_activations(self, x: torch.Tensor, scheme: int, strategy: int, dynamic: bool,
                              group: int = 0, scale: float = 0.0) -> torch.Tensor:

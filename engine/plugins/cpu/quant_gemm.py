@@ -90,6 +90,7 @@ def pack_arguments(weights: QuantizedWeights) -> tuple:
         act_group=0 if act is None else (act.group_size or 0),
         has_perm=perm is not None,
         has_zeros=weights.zeros is not None,
+        act_dtype=DTYPE_CODES[spec.act_dtype],
     )
     act_scales = weights.input_scales
     if act_scales is not None:
@@ -111,7 +112,7 @@ class CPUQuantizedGemm(QuantizedGemmKernel):
         if kernels is None:
             raise RuntimeError(f"{self.name} needs the plugin's C kernels")
         self.kernels = kernels
-        self.vnni = False  # set by prepare: W8A8 layers on a VNNI level multiply int8
+        self.path: str | None = None  # set by prepare: how the layer multiplies
 
     @classmethod
     def can_implement(cls, spec: QuantizedLayerSpec) -> str | None:
@@ -139,15 +140,22 @@ class CPUQuantizedGemm(QuantizedGemmKernel):
 
     @property
     def description(self) -> str:
-        path = ", int8 vnni" if self.vnni else ""
+        path = "" if self.path in (None, "float32") else f", {self.path}"
         return f"{self.name} ({self.kernels.level}{path})"
+
+    @property
+    def vnni(self) -> bool:
+        return self.path == "int8 vnni"
 
     def prepare(self, layer: nn.Module, weights: QuantizedWeights) -> None:
         packed = self.kernels.qgemm_pack(*pack_arguments(weights))
         layer.register_buffer("q_packed", packed, persistent=False)
         layer.quant_spec = weights.spec
-        self.vnni = self.kernels.qgemm_uses_vnni(packed)
+        self.path = self.kernels.qgemm_path(packed)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
+        if self.path == "int4 x bf16" and x.dtype != torch.bfloat16:
+            raise ValueError(f"this int4 layer was packed for bfloat16 activations (vdpbf16ps), "
+                             f"not {x.dtype}")
         return self.kernels.qgemm(layer.q_packed, x, layer.quant_spec.out_features, bias)

@@ -267,6 +267,11 @@ def standard_suite(pairs: bool) -> Suite:
         suite.qgemm(m, "nvfp4", 4, 48, 128, 16)
     suite.qgemm(3, "int", 4, 64, 256, 32, act_order=True)
     suite.qgemm(20, "int", 4, 32, 128, 128, act_dtype=bf16, bias=True)
+    # int4 x bf16 on vdpbf16ps levels: decode (two accumulator sets), the dequantizing
+    # prefill (QINT4_DEQUANTIZE_ROWS), symmetric codes, act-order
+    suite.qgemm(1, "int", 4, 64, 256, 64, act_dtype=bf16, zeros=False)
+    suite.qgemm(70, "int", 4, 80, 128, 32, act_dtype=bf16, bias=True)
+    suite.qgemm(3, "int", 4, 64, 256, 32, act_order=True, act_dtype=bf16)
     dynamic_int8, static_fp8 = ActivationQuant("int8", "token", True), ActivationQuant(
         "fp8", "tensor", False)
     nvfp4 = ActivationQuant("nvfp4", "group", True, 16)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.core.interfaces import ActivationQuant, QuantizedLayerSpec, QuantizedWeights
-from engine.plugins.cpu import quant_gemm
+from engine.plugins.cpu import kernel_build, quant_gemm
 from engine.plugins.cpu.native import QACT_CODES, QSTRATEGY_CODES
 from engine.plugins.cpu.platform import CPUPlatform
 from engine.plugins.cpu.quant_gemm import CPUQuantizedGemm, act_order_permutation
@@ -94,6 +94,53 @@ def test_narrow_activations(kernels, act_dtype, m):
     x = torch.randn(m, 256, generator=gen).to(act_dtype)
     bias = torch.randn(64, generator=gen).to(act_dtype)
     _assert_close(_run(kernels, w, x, bias), _reference(w, x, bias), act_dtype)
+
+
+# int4 codes with bf16 activations where the level multiplies bf16 (vdpbf16ps): 1-2 rows
+# (two accumulator sets), 6 (a full block), 7 and 63 (blocks and a remainder), 64 and 130
+# (from QINT4_DEQUANTIZE_ROWS: each panel dequantized to bf16 once).
+INT4_BF16_ROWS = [1, 2, 6, 7, 63, 64, 130]
+INT4_BF16_LAYOUTS = {  # zero points, act-order, fused shards, group
+    "zeros": (True, False, None, 64), "symmetric": (False, False, None, 128),
+    "act-order": (True, True, None, 32), "shards": (False, False, (64, 32, 32), 256),
+}
+
+
+@pytest.mark.parametrize("m", INT4_BF16_ROWS)
+@pytest.mark.parametrize("layout", list(INT4_BF16_LAYOUTS))
+def test_int4_with_bf16_activations(kernels, layout, m):
+    """The int4 x bf16 path against float64: output rounding to bf16 (2^-9 of a value) and
+    the prefill's bf16 weights (as a bf16 model's dequantized weights) bound the error."""
+    zeros, act_order, shards, group = INT4_BF16_LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(m * 7 + len(layout))
+    w = _weights(gen, "int", 4, 128, 512, group, zeros=zeros, act_order=act_order,
+                 shards=shards, act_dtype=torch.bfloat16)
+    x = (torch.randn(m, 512, generator=gen) * 2).bfloat16()
+    bias = torch.randn(128, generator=gen).bfloat16()
+    layer = nn.Module()
+    kernel = CPUQuantizedGemm(kernels)
+    kernel.prepare(layer, w)
+    bf16_dot = kernel_build.LEVELS[kernels.level].bf16_dot
+    assert kernel.path == ("int4 x bf16" if bf16_dot else "float32")
+    got = kernel.apply(layer, x, bias)
+    want = _reference(w, x, bias)
+    assert got.dtype == torch.bfloat16
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 4e-3, f"relative error {err:.2e}"
+
+
+def test_int4_bf16_layer_refuses_other_activations(kernels):
+    """A layer packed for bf16 activations (the model's dtype) called with float32 ones is
+    an error, not a wrong product."""
+    if not kernel_build.LEVELS[kernels.level].bf16_dot:
+        pytest.skip(f"{kernels.level} packs int4 for every activation dtype alike")
+    gen = torch.Generator().manual_seed(3)
+    w = _weights(gen, "int", 4, 64, 256, 64, act_dtype=torch.bfloat16)
+    layer = nn.Module()
+    kernel = CPUQuantizedGemm(kernels)
+    kernel.prepare(layer, w)
+    with pytest.raises(ValueError, match="packed for bfloat16 activations"):
+        kernel.apply(layer, torch.randn(3, 256))
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: f"{a.encoding}-{a.strategy}")

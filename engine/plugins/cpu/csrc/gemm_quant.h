@@ -35,6 +35,8 @@
 #ifndef ENGINE_CPU_GEMM_QUANT_H
 #define ENGINE_CPU_GEMM_QUANT_H
 
+#include <omp.h>
+
 #include "quant_act.h"
 
 enum { QENC_INT = 0, QENC_FP8 = 1, QENC_NVFP4 = 2 };
@@ -42,7 +44,8 @@ enum { QENC_INT = 0, QENC_FP8 = 1, QENC_NVFP4 = 2 };
 enum { QK_INT4 = 0, QK_INT8 = 1, QK_FP8 = 2, QK_NVFP4 = 3 };
 /* qgemm_pack's parameter words */
 enum { QP_N, QP_K, QP_ENCODING, QP_BITS, QP_GROUP, QP_ACT, QP_ACT_STRATEGY, QP_ACT_DYNAMIC,
-       QP_ACT_GROUP, QP_HAS_PERM, QP_HAS_ZEROS, QP_SHARDS, QP_SHARD_N /* one per shard */ };
+       QP_ACT_GROUP, QP_HAS_PERM, QP_HAS_ZEROS, QP_ACT_DTYPE, QP_SHARDS,
+       QP_SHARD_N /* one per shard */ };
 #define QMAX_SHARDS 8
 #define QGEMM_MAGIC 0x314d4d4547514e45LL /* "ENQGEMM1" */
 #define QALIGN 64
@@ -89,6 +92,9 @@ typedef struct {
     int64_t has_perm, shards, panel, panels, panel_bytes, code_bytes, groups;
     int64_t perm_off, act_scale_off, panels_off;
     int64_t vnni; /* int8 x int8 panels (vnni_panel) instead of the float path's */
+    int64_t bf16_int4; /* int4 codes as bf16 (128 + code) pairs for vdpbf16ps */
+    int64_t implied_zeros; /* bf16_int4 without zero points: no -(128 + zero) stored */
+    int64_t act_dtype; /* what the layer's activations are (bf16_int4 takes only bf16) */
     int64_t shard_n[QMAX_SHARDS], shard_panels[QMAX_SHARDS];
 } qgemm_header;
 
@@ -239,11 +245,18 @@ static int qgemm_plan(const int64_t *p, qgemm_header *h) {
     h->groups = h->k / h->group;
     h->code_bytes = h->k * qk_row_bytes(kind);
     /* W8A8: symmetric per-channel int8 weights, int8 per-token / per-tensor activations */
+    h->act_dtype = p[QP_ACT_DTYPE];
+    if (h->act_dtype < DTYPE_F32 || h->act_dtype > DTYPE_F16)
+        return -1;
+    h->bf16_int4 = HAVE_BF16_DOT && kind == QK_INT4 && h->act == QACT_NONE &&
+                   h->act_dtype == DTYPE_BF16 && h->group % 2 == 0;
     h->vnni = HAVE_QVNNI && kind == QK_INT8 && h->group == h->k && h->k % 4 == 0 &&
               h->act == QACT_INT8 && h->act_strategy != QSTRAT_GROUP && !p[QP_HAS_ZEROS];
-    /* scales, and -zero x scale (int) or bf16(1.5 x scale) (nvfp4 tables) */
+    /* scales, and -zero x scale (int; bf16_int4: -(128 + zero), none for symmetric codes)
+     * or bf16(1.5 x scale) (nvfp4 tables) */
+    h->implied_zeros = h->bf16_int4 && !p[QP_HAS_ZEROS];
     const int64_t scale_bytes = NV_LUT && kind == QK_NVFP4 ? 2 * 2 /* A and B in bf16 */
-                                : h->encoding == QENC_INT ? 2 * 4 : 4;
+                                : h->encoding == QENC_INT && !h->implied_zeros ? 2 * 4 : 4;
     h->panel_bytes = qalign(h->code_bytes + scale_bytes * h->groups * PANEL);
     h->perm_off = qalign(sizeof *h);
     h->act_scale_off = h->perm_off + (h->has_perm ? qalign(8 * h->k) : 0);
@@ -316,6 +329,24 @@ int qgemm_pack(const int64_t *params, const uint8_t *codes, const float *scales,
         uint8_t *dst = (uint8_t *)base + h.panels_off + p * h.panel_bytes;
         memset(dst, 0, (size_t)h.panel_bytes);
         float *sc = (float *)(dst + h.code_bytes), *zs = sc + groups * PANEL;
+#if HAVE_BF16_DOT
+        if (h.bf16_int4) { /* see the int4 x bf16 kernel: 64 bytes a pair of k */
+            for (int64_t c = 0; c < width; c++) {
+                const int64_t row = col + c, n = c / 16, at = 4 * (c % 16) + n / 2;
+                const int shift = 4 * (int)(n % 2);
+                for (int64_t i = 0; i < h.k; i++)
+                    dst[(i / 2) * 64 + at + 2 * (i % 2)] |=
+                        (uint8_t)((codes[row * h.k + i] & 15u) << shift);
+                for (int64_t g = 0; g < groups; g++) {
+                    const float sg = scales[row * groups + g];
+                    const float z = zeros != NULL ? zeros[row * groups + g] : midpoint;
+                    sc[g * PANEL + c] = sg;
+                    if (!h.implied_zeros) zs[g * PANEL + c] = -(128.0f + z);
+                }
+            }
+            continue;
+        }
+#endif
         if (h.vnni) { /* [k / 4][PANEL / 16][16 columns][4 k] signed codes; column sums */
             int32_t *sums = (int32_t *)zs;
             for (int64_t c = 0; c < width; c++) {
@@ -832,6 +863,256 @@ static void q_group_sums(const float *rows, int64_t ld, int64_t m, int64_t k, in
 }
 
 #if HAVE_BF16_DOT
+/*
+ * int4 weights x bf16 activations on vdpbf16ps (bf16_int4 panels): per pair of k, 64
+ * bytes hold the panel's 64 columns' two codes, one 16-bit word per (column mod 16, k)
+ * with the four columns 16 n + c in its nibbles n. (word >> 4 n) & 0xf | 0x4300 is the
+ * bf16 of 128 + code (exact), so a shift and a vpternlogd make each vector of bf16 pairs
+ * and one vdpbf16ps multiplies 16 columns by two k of x, with no shuffles. Per group the
+ * sums are scaled: out += s (sum - (128 + zero) (sum of x)), the offset's share removed
+ * with the group's activation sum. Products are exact, the sums float32 (the 128 offset
+ * costs ~4 of their 24 bits, far below bf16 activations' 8). A panel stores per group
+ * and column the scale and -(128 + zero), or only the scale for symmetric codes.
+ */
+/* Decode consumes a panel's bytes ~4x slower than the dense kernel, too slowly for the
+ * hardware prefetcher to hide DRAM latency: prefetch ~300 cycles of work ahead. */
+#define QINT4_PREFETCH_AHEAD 8192
+/* From this many rows a panel is dequantized to bf16 once rather than unpacked per block
+ * of rows (7 vector ops per pair of k next to a block's 24 vdpbf16ps): the two cross at
+ * ~64 rows on Zen 5 (ci/bench_qgemm.py --act-dtype bfloat16), blocks ahead below. */
+#define QINT4_DEQUANTIZE_ROWS 64
+/* One pair of k of a bf16_int4 panel (layout above) into R rows' accumulators. */
+static inline __attribute__((always_inline)) void qint4_bf16_pair(
+    const int R, const uint16_t *x, int64_t ldx, const uint8_t *codes, int64_t i,
+    const int streamed, __m512 acc[GEMM_ROWS][4])
+{
+    const __m512i low = _mm512_set1_epi16(0x000f), exponent = _mm512_set1_epi16(0x4300);
+    const uint8_t *c0 = codes + i * 64;
+    if (streamed)
+        _mm_prefetch((const char *)c0 + QINT4_PREFETCH_AHEAD, _MM_HINT_NTA);
+    const __m512i b = _mm512_loadu_si512(c0);
+    __m512bh w[4]; /* (b >> 4 n) & 0x000f | 0x4300: vpternlogd's (A & B) | C */
+    w[0] = (__m512bh)_mm512_ternarylogic_epi32(b, low, exponent, 0xea);
+    w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), low, exponent, 0xea);
+    w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 8), low, exponent, 0xea);
+    w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 12), low, exponent, 0xea);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+        uint32_t pair;
+        memcpy(&pair, x + r * ldx + 2 * i, sizeof pair);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
+    }
+}
+
+static inline __attribute__((always_inline)) void qint4_bf16_block(
+    const int R, const uint16_t *x, int64_t ldx, const float *xsum, int64_t groups,
+    const uint8_t *codes, const float *sc, const float *zs, int64_t group, const void *bias,
+    int64_t col, int64_t width, void *out, int64_t ldo, const int odt, const int streamed)
+{
+    float tile[GEMM_ROWS * PANEL] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < PANEL; c++)
+            tile[r * PANEL + c] = bias != NULL && c < width ? load_at(bias, col + c, odt) : 0.0f;
+    const int64_t pairs_per_group = group / 2;
+    /* one or two rows: two accumulator sets (alternate pairs) hide vdpbf16ps' latency */
+    const int S = R <= 2 ? 2 : 1;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[2][GEMM_ROWS][4];
+#pragma GCC unroll 2
+        for (int s = 0; s < S; s++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+#pragma GCC unroll 6
+                for (int r = 0; r < R; r++) acc[s][r][j] = _mm512_setzero_ps();
+        const int64_t first = g * pairs_per_group, end = first + pairs_per_group;
+        int64_t i = first;
+        for (; i + S <= end; i += S)
+#pragma GCC unroll 2
+            for (int s = 0; s < S; s++)
+                qint4_bf16_pair(R, x, ldx, codes, i + s, streamed, acc[s]);
+        if (i < end) qint4_bf16_pair(R, x, ldx, codes, i, streamed, acc[0]);
+        if (S == 2)
+#pragma GCC unroll 6
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[0][r][j] = acc[0][r][j] + acc[S - 1][r][j];
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                float *t = tile + r * PANEL + j * VF;
+                const vf s = vf_load(sc + g * PANEL + j * VF), sum = (vf)acc[0][r][j];
+                if (zs != NULL) /* s (sum - (128 + zero) xsum) */
+                    vf_store(t, vf_load(t) + (sum + xsum[r * groups + g] *
+                                                        vf_load(zs + g * PANEL + j * VF)) * s);
+                else /* the midpoint's -(128 + zero) x xsum was folded into xsum */
+                    vf_store(t, vf_load(t) + (sum + xsum[r * groups + g]) * s);
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t c = 0; c < width; c += VF)
+            vf_store_as(out, r * ldo + col + c, odt, vf_load(tile + r * PANEL + c));
+}
+
+static void qint4_bf16_rows(int rows, const uint16_t *x, int64_t ldx, const float *xsum,
+                            int64_t groups, const uint8_t *codes, const float *sc,
+                            const float *zs, int64_t group, const void *bias, int64_t col,
+                            int64_t width, void *out, int64_t ldo, int odt, int streamed)
+{
+#define QI4_ARGS x, ldx, xsum, groups, codes, sc, zs, group, bias, col, width, out, ldo, odt, \
+                 streamed
+    switch (rows) {
+    case 1: qint4_bf16_block(1, QI4_ARGS); break;
+    case 2: qint4_bf16_block(2, QI4_ARGS); break;
+    case 3: qint4_bf16_block(3, QI4_ARGS); break;
+    case 4: qint4_bf16_block(4, QI4_ARGS); break;
+    case 5: qint4_bf16_block(5, QI4_ARGS); break;
+    default: qint4_bf16_block(GEMM_ROWS, QI4_ARGS); break;
+    }
+#undef QI4_ARGS
+}
+
+/*
+ * A bf16_int4 panel's weights as bf16((code - zero) x scale), the rounding of a bf16
+ * model's dequantized weight (the product is exact in float32), in gemm_bf16.h's pair
+ * layout (width columns): per pair of k, a vector of 16 columns' (even k, odd k) pairs.
+ */
+static void qint4_bf16_dequantize(const uint8_t *codes, const float *sc, const float *zs,
+                                  int64_t k, int64_t group, int64_t width, uint16_t *pairs)
+{
+    const __m512i low = _mm512_set1_epi32(0x000f000f), half = _mm512_set1_epi32(0xffff);
+    /* (even k of 16 columns | odd k of them) -> column pairs */
+    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                       15, 31};
+    const __m512i interleave = _mm512_loadu_si512(order);
+    const vf midpoint = vf_splat(-8.0f); /* -zero of symmetric int4 */
+    for (int64_t i = 0; i < k / 2; i++) {
+        const int64_t g = 2 * i / group;
+        const __m512i b = _mm512_loadu_si512(codes + i * 64);
+        for (int64_t j = 0; j < width / VF; j++) {
+            const __m512i t = _mm512_and_si512(_mm512_srli_epi16(b, 4 * (int)j), low);
+            const vf s = vf_load(sc + g * PANEL + j * VF);
+            const vf zero = zs != NULL ? vf_load(zs + g * PANEL + j * VF) + 128.0f : midpoint;
+            const vf even = ((vf)_mm512_cvtepi32_ps(_mm512_and_si512(t, half)) + zero) * s;
+            const vf odd = ((vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(t, 16)) + zero) * s;
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)odd, (__m512)even);
+            _mm512_storeu_si512(pairs + (i * width + j * VF) * 2,
+                                _mm512_permutexvar_epi16(interleave, both));
+        }
+    }
+}
+
+/* A thread's dequantized panel (qint4_bf16_prefill), kept between calls. */
+static _Thread_local uint16_t *qi4_pairs;
+static _Thread_local size_t qi4_pairs_values;
+
+/*
+ * The prefill schedule (m >= QINT4_DEQUANTIZE_ROWS): a work item dequantizes its panel
+ * once and runs the bf16 GEMM's register blocks over all its rows, so the dequantization
+ * is paid once per panel (and per row range when the panels alone cannot occupy the
+ * threads), not per block of rows.
+ */
+static int qint4_bf16_prefill(const qgemm_header *h, const uint8_t *panels, const uint16_t *x,
+                              int64_t ldx, const uint16_t *bias, uint16_t *out, int64_t ldo,
+                              int64_t m)
+{
+    const int64_t k = h->k, threads = omp_get_max_threads();
+    int64_t ranges = (2 * threads + h->panels - 1) / h->panels;
+    if (ranges > (m + GEMM_CHUNK - 1) / GEMM_CHUNK) ranges = (m + GEMM_CHUNK - 1) / GEMM_CHUNK;
+    const int64_t range_rows = (m + ranges - 1) / ranges;
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(static) reduction(| : failed)
+    for (int64_t p = 0; p < h->panels; p++)
+        for (int64_t r = 0; r < ranges; r++) {
+            const size_t values = (size_t)(k * PANEL);
+            if (values > qi4_pairs_values) {
+                uint16_t *grown = realloc(qi4_pairs, values * sizeof *grown);
+                if (grown == NULL) {
+                    failed = 1;
+                    continue;
+                }
+                qi4_pairs = grown;
+                qi4_pairs_values = values;
+            }
+            int64_t shard, col, width;
+            qpanel_place(h, p, &shard, &col, &width);
+            const uint8_t *panel = panels + p * h->panel_bytes;
+            const float *sc = (const float *)(panel + h->code_bytes);
+            qint4_bf16_dequantize(panel, sc, h->implied_zeros ? NULL : sc + h->groups * PANEL,
+                                  k, h->group, width, qi4_pairs);
+            const int64_t end = (r + 1) * range_rows < m ? (r + 1) * range_rows : m;
+            for (int64_t row = r * range_rows; row < end; row += BF16_ROWS) {
+                const int rows = end - row < BF16_ROWS ? (int)(end - row) : BF16_ROWS;
+                bf16_rows_times_panel(rows, width, x + row * ldx, ldx, qi4_pairs, k / 2, bias,
+                                      col, out + row * ldo, ldo, 0);
+            }
+        }
+    return failed ? -3 : 0;
+}
+
+/* The bf16_int4 schedule: decode sizes stream each panel once; up to
+ * QINT4_DEQUANTIZE_ROWS rows run blocks of GEMM_ROWS rows over a panel kept in cache,
+ * chunk by chunk; more rows take qint4_bf16_prefill. */
+static int qgemm_int4_bf16(const qgemm_header *h, const char *base, const uint16_t *x,
+                           int64_t ldx, const void *bias, void *out, int64_t ldo, int64_t m)
+{
+    const int64_t k = h->k, groups = h->groups;
+    const int64_t *perm = h->has_perm ? (const int64_t *)(base + h->perm_off) : NULL;
+    const int blocks = m < QINT4_DEQUANTIZE_ROWS; /* which need the groups' sums of x */
+    const size_t rows_floats = perm != NULL ? (size_t)(m * k + 1) / 2 + 1 : 0;
+    float *scratch = q_scratch_floats_of(rows_floats + (blocks ? (size_t)(m * groups) : 0) + 1);
+    if (scratch == NULL) return -3;
+    if (perm != NULL) {
+        uint16_t *permuted = (uint16_t *)scratch;
+#pragma omp parallel for if (m * k >= (1 << 16))
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) permuted[r * k + i] = x[r * ldx + perm[i]];
+        x = permuted;
+        ldx = k;
+    }
+    const uint8_t *panels = (const uint8_t *)base + h->panels_off;
+    if (!blocks)
+        return qint4_bf16_prefill(h, panels, x, ldx, (const uint16_t *)bias, (uint16_t *)out,
+                                  ldo, m);
+    float *sums = scratch + rows_floats;
+    const float midpoint = 8.0f; /* symmetric int4's zero point */
+#pragma omp parallel for if (m * k >= (1 << 16))
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *v = x + r * ldx + g * h->group;
+            vf acc = vf_splat(0.0f);
+            int64_t i = 0;
+            for (; i + VF <= h->group; i += VF) acc += vf_load_bf16(v + i);
+            float t = vf_sum(acc);
+            for (; i < h->group; i++) t += bf16_to_f32(v[i]);
+            sums[r * groups + g] = h->implied_zeros ? -(128.0f + midpoint) * t : t;
+        }
+    const int streamed = m <= GEMM_ROWS;
+    const int64_t chunks = (m + GEMM_CHUNK - 1) / GEMM_CHUNK;
+#pragma omp parallel for collapse(2) schedule(static) if (h->panels * chunks > 1)
+    for (int64_t p = 0; p < h->panels; p++)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t shard, col, width;
+            qpanel_place(h, p, &shard, &col, &width);
+            const uint8_t *panel = panels + p * h->panel_bytes;
+            const float *sc = (const float *)(panel + h->code_bytes);
+            const float *zs = h->implied_zeros ? NULL : sc + groups * PANEL;
+            const int64_t end = (c + 1) * GEMM_CHUNK < m ? (c + 1) * GEMM_CHUNK : m;
+            for (int64_t row = c * GEMM_CHUNK; row < end; row += GEMM_ROWS) {
+                const int n_rows = end - row < GEMM_ROWS ? (int)(end - row) : GEMM_ROWS;
+                qint4_bf16_rows(n_rows, x + row * ldx, ldx, sums + row * groups, groups, panel,
+                                sc, zs, h->group, bias, col, width,
+                                (char *)out + row * ldo * 2, ldo, DTYPE_BF16, streamed);
+            }
+        }
+    return 0;
+}
+#endif
+
+#if HAVE_BF16_DOT
 _Static_assert(PANEL == BF16_PANEL, "a quantized panel is one bf16 pair panel");
 /*
  * bf16 activations on a level with vdpbf16ps (weight-only schemes): a chunk's panel is
@@ -1000,6 +1281,10 @@ int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void
         return qgemm_vnni(h, base, x, ldx, bias, out, ldo, m, adt);
 #endif
 #if HAVE_BF16_DOT
+    if (h->bf16_int4) {
+        if (adt != DTYPE_BF16) return -1; /* packed for bf16 activations */
+        return qgemm_int4_bf16(h, base, (const uint16_t *)x, ldx, bias, out, ldo, m);
+    }
     if (!decode && adt == DTYPE_BF16 && h->act == QACT_NONE)
         return qgemm_bf16(h, kind, (const uint16_t *)x, ldx,
                           (const uint8_t *)base + h->panels_off,
@@ -1045,14 +1330,14 @@ int qgemm(const void *x, int64_t ldx, const void *packed, const void *bias, void
     return 0;
 }
 
-/* The schedule a packed layer runs: 1 int8 x int8 (VNNI), 0 float32 multiply-adds (bf16
- * activations of weight-only layers take vdpbf16ps from the prefill sizes), -1 not a
- * layer of this library. */
+/* The schedule a packed layer runs: 1 int8 x int8 (VNNI), 2 int4 x bf16 on vdpbf16ps,
+ * 0 float32 multiply-adds (bf16 activations of other weight-only layers take vdpbf16ps
+ * from the prefill sizes), -1 not a layer of this library. */
 int qgemm_path(const void *packed)
 {
     const qgemm_header *h = (const qgemm_header *)packed;
     if (h->magic != QGEMM_MAGIC || h->panel != PANEL) return -1;
-    return h->vnni ? 1 : 0;
+    return h->vnni ? 1 : h->bf16_int4 ? 2 : 0;
 }
 
 /* out [m, k] float32 = QDQ(x [m, k] in adt): the activations' half of the scheme alone,
