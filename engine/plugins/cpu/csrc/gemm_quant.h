@@ -978,29 +978,47 @@ static void qint4_bf16_rows(int rows, const uint16_t *x, int64_t ldx, const floa
  * A bf16_int4 panel's weights as bf16((code - zero) x scale), the rounding of a bf16
  * model's dequantized weight (the product is exact in float32), in gemm_bf16.h's pair
  * layout (width columns): per pair of k, a vector of 16 columns' (even k, odd k) pairs.
+ * Widened to 32 bits, the pair's words 2 d + w (d < 8) and 16 + 2 d + w hold in nibble n
+ * the codes of columns 16 n + d and 16 n + 8 + d at k = 2 pair + w: already in pair
+ * order, so 2^23 + code (a mask and an or of float32 bits), less 2^23 + zero, times the
+ * scale, convert to the two halves of one vector of pairs.
  */
 static void qint4_bf16_dequantize(const uint8_t *codes, const float *sc, const float *zs,
                                   int64_t k, int64_t group, int64_t width, uint16_t *pairs)
 {
-    const __m512i low = _mm512_set1_epi32(0x000f000f), half = _mm512_set1_epi32(0xffff);
-    /* (even k of 16 columns | odd k of them) -> column pairs */
-    static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                                       15, 31};
-    const __m512i interleave = _mm512_loadu_si512(order);
-    const vf midpoint = vf_splat(-8.0f); /* -zero of symmetric int4 */
-    for (int64_t i = 0; i < k / 2; i++) {
-        const int64_t g = 2 * i / group;
-        const __m512i b = _mm512_loadu_si512(codes + i * 64);
-        for (int64_t j = 0; j < width / VF; j++) {
-            const __m512i t = _mm512_and_si512(_mm512_srli_epi16(b, 4 * (int)j), low);
-            const vf s = vf_load(sc + g * PANEL + j * VF);
-            const vf zero = zs != NULL ? vf_load(zs + g * PANEL + j * VF) + 128.0f : midpoint;
-            const vf even = ((vf)_mm512_cvtepi32_ps(_mm512_and_si512(t, half)) + zero) * s;
-            const vf odd = ((vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(t, 16)) + zero) * s;
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)odd, (__m512)even);
-            _mm512_storeu_si512(pairs + (i * width + j * VF) * 2,
-                                _mm512_permutexvar_epi16(interleave, both));
+    const __m512i nibble = _mm512_set1_epi32(0xf), magic = _mm512_set1_epi32(0x4b000000);
+    static const int32_t low_twice[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+    const __m512i twice = _mm512_loadu_si512(low_twice), eight = _mm512_set1_epi32(8);
+    const int64_t vectors = width / VF, pairs_per_group = group / 2;
+    for (int64_t g = 0; g < k / group; g++) {
+        __m512 scale[2][4], offset[2][4]; /* per half: each column's twice, in pair order */
+        for (int64_t j = 0; j < vectors; j++) {
+            const __m512 s = _mm512_loadu_ps(sc + g * PANEL + j * VF);
+            /* 2^23 + zero, zs holding -(128 + zero): exact integers in float32 */
+            const __m512 z = zs != NULL ? _mm512_sub_ps(_mm512_set1_ps(8388480.0f),
+                                                        _mm512_loadu_ps(zs + g * PANEL + j * VF))
+                                        : _mm512_set1_ps(8388616.0f); /* symmetric: 8 */
+            for (int h = 0; h < 2; h++) {
+                const __m512i at = h ? _mm512_add_epi32(twice, eight) : twice;
+                scale[h][j] = _mm512_permutexvar_ps(at, s);
+                offset[h][j] = _mm512_permutexvar_ps(at, z);
+            }
+        }
+        for (int64_t i = g * pairs_per_group; i < (g + 1) * pairs_per_group; i++) {
+            const __m512i b = _mm512_loadu_si512(codes + i * 64);
+            const __m512i half[2] = {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)),
+                                     _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1))};
+            for (int64_t j = 0; j < vectors; j++) {
+                __m512 f[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m512i v = _mm512_ternarylogic_epi32(
+                        _mm512_srli_epi32(half[h], 4 * (unsigned)j), nibble, magic, 0xea);
+                    f[h] = _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(v), offset[h][j]),
+                                         scale[h][j]);
+                }
+                _mm512_storeu_si512(pairs + (i * width + j * VF) * 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+            }
         }
     }
 }
