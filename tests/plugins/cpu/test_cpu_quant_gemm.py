@@ -72,18 +72,23 @@ ACTIVATIONS = [
 ]
 
 
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [2, 33])
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: f"{a.encoding}-{a.strategy}-"
                          f"{'dyn' if a.dynamic else 'static'}")
-def test_activation_schemes_on_fused_shards(kernels, act, m):
+def test_activation_schemes_on_fused_shards(kernels, act, m, act_dtype):
     """Three output shards with their own static / global input scales (q / k / v of a
-    fused layer), each shard's GEMM fed its own quantized activations."""
+    fused layer), each shard's GEMM fed its own quantized activations (bf16 from the
+    prefill sizes: rounded to bf16 as a bf16 model's quantize-dequantize returns them, on
+    the bf16 schedule)."""
     gen = torch.Generator().manual_seed(m)
     encoding, bits, group = {"int8": ("int", 8, 256), "fp8": ("fp8", 8, 128),
                              "nvfp4": ("nvfp4", 4, 16)}[act.encoding]
-    w = _weights(gen, encoding, bits, 96, 256, group, zeros=False, act=act, shards=(64, 16, 16))
-    x = torch.randn(m, 256, generator=gen) * 3
-    _assert_close(_run(kernels, w, x), _reference(w, x, None))
+    w = _weights(gen, encoding, bits, 96, 256, group, zeros=False, act=act, shards=(64, 16, 16),
+                 act_dtype=act_dtype)
+    x = (torch.randn(m, 256, generator=gen) * 3).to(act_dtype)
+    bias = torch.randn(96, generator=gen).to(act_dtype)
+    _assert_close(_run(kernels, w, x, bias), _reference(w, x, bias), act_dtype)
 
 
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
