@@ -39,7 +39,7 @@ TINY_SHAPES = "768x512,512x512,3072x512,512x1536,16000x512"
 COLD_BYTES = 256 << 20  # enough copies of a weight to overflow any L3
 
 
-def _time_us(fn, min_seconds: float = 0.2) -> float:
+def time_us(fn, min_seconds: float = 0.2) -> float:
     for _ in range(3):
         fn()
     calls, start = 0, time.perf_counter()
@@ -110,9 +110,9 @@ def main() -> None:
         weights = [torch.randn(out_f, in_f).to(dtype) for _ in range(copies)]
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, in_f).to(act)
-            base = _time_us(_runner(None, spec, weights, x))
+            base = time_us(_runner(None, spec, weights, x))
             for name, kernel, peak in (*kernels, ("F.linear", None, None)):
-                us = base if kernel is None else _time_us(_runner(kernel, spec, weights, x))
+                us = base if kernel is None else time_us(_runner(kernel, spec, weights, x))
                 gflops = 2 * m * out_f * in_f / us / 1e3
                 share = f"{100 * gflops / peak:4.0f}%" if peak else "    -"
                 print(f"{shape:>12} {m:>5} {name:>26} {us:>10.1f} {gflops:>8.1f} {share:>5}"

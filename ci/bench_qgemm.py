@@ -18,7 +18,6 @@ over bf16. The header names the CPU, the ISA level and the memory read bandwidth
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -31,8 +30,9 @@ from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
 from engine.plugins.cpu.quant_gemm import CPUQuantizedGemm
 from engine.quantization.reference import TorchQuantizedGemm
 
+from bench_gemm import COLD_BYTES, time_us  # ci/ is this script's directory
+
 SMALL_SHAPES = "1536x1024,1024x1024,5632x1024,1024x2816"  # llama-small's linears
-COLD_BYTES = 256 << 20
 SCHEMES = {  # encoding, bits, group (0: per channel), activation
     "int4": ("int", 4, 128, None),
     "int8": ("int", 8, 0, None),
@@ -41,16 +41,6 @@ SCHEMES = {  # encoding, bits, group (0: per channel), activation
     "w8a8": ("int", 8, 0, ActivationQuant("int8", "token", True)),
     "fp8-dyn": ("fp8", 8, 0, ActivationQuant("fp8", "token", True)),
 }
-
-
-def _time_us(fn, min_seconds: float = 0.2) -> float:
-    for _ in range(3):
-        fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _weights(scheme: str, n: int, k: int, act_dtype: torch.dtype) -> QuantizedWeights:
@@ -109,7 +99,7 @@ def main() -> None:
         packed = [dense.prepare(torch.randn(n, k).bfloat16(), spec) for _ in range(copies)]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k).to(act_dtype)
-            base = _time_us(_cycle(packed, lambda w: dense.apply(w, x)))
+            base = time_us(_cycle(packed, lambda w: dense.apply(w, x)))
             print(f"| {n}x{k} | {m} | bf16 dense | {base:.1f} | {dense_bytes / 1e6:.2f} | "
                   f"{dense_bytes / base / 1e3:.1f} | 1.00 |")
             for scheme in args.schemes.split(","):
@@ -123,7 +113,7 @@ def main() -> None:
                         kernel.prepare(layer, weights)
                         layers.append(layer)
                     nbytes = layers[0].q_packed.numel() if hasattr(layers[0], "q_packed") else 0
-                    us = _time_us(_cycle(layers, lambda layer: kernel.apply(layer, x)))
+                    us = time_us(_cycle(layers, lambda layer: kernel.apply(layer, x)))
                     label = scheme if kernel_cls is CPUQuantizedGemm else f"{scheme} (torch)"
                     rate = f"{nbytes / us / 1e3:.1f}" if nbytes else "-"
                     print(f"| {n}x{k} | {m} | {label} | {us:.1f} | {nbytes / 1e6:.2f} | {rate} | "
