@@ -16,7 +16,7 @@ from engine.quantization.awq import AWQConfig
 from engine.quantization.compressed_tensors import CompressedTensorsConfig
 from engine.quantization.fp8 import Fp8Config
 from engine.quantization.gptq import GPTQConfig
-from tests.core.test_plugins import Site
+from tests.core.test_plugins import site  # noqa: F401  (a fixture: a throwaway site-packages)
 from tests.quantization import refs
 
 BUILTINS = {"compressed-tensors": CompressedTensorsConfig, "gptq": GPTQConfig,
@@ -29,19 +29,6 @@ def _fresh_registry(monkeypatch):
     reset_plugin_registry()
     yield
     reset_plugin_registry()
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    import sys
-
-    root = tmp_path / "site"
-    root.mkdir()
-    monkeypatch.syspath_prepend(str(root))
-    s = Site(root)
-    yield s
-    for module in s.modules:
-        sys.modules.pop(module, None)
 
 
 def test_builtin_formats_come_from_the_quantization_plugin():
