@@ -41,6 +41,11 @@ from tests.quantization import packers, refs
 
 RELAXED = 8e-2
 
+# the engine's fused linears and the checkpoint projections each concatenates
+FUSED_PARTS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+               "self_attn.o_proj": ("o_proj",), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+               "mlp.down_proj": ("down_proj",)}
+
 
 def _online_reference(model):
     """``model`` with every decoder linear fp8-quantized per row and per-token fp8 input
@@ -72,10 +77,8 @@ def test_online_fp8_layers_are_exact():
     tensors = refs.read_tensors(refs.fixture_dir("base"))
     qdq = partial(packers.qdq_activation, encoding="fp8", strategy="token")
     gen = torch.Generator().manual_seed(11)
-    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-             "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
     for layer in range(2):
-        for engine_name, parts in fused.items():
+        for engine_name, parts in FUSED_PARTS.items():
             module = model.model.layers[layer].get_submodule(engine_name)
             block = engine_name.split(".")[0]
             weight = torch.cat([packers.fp8_per_row(
@@ -203,10 +206,8 @@ def test_fp8_checkpoint_layers_are_exact(synthetic, shape, variant):
     assert refs.count_quantized_layers(model) == refs.NUM_QUANTIZED_LAYERS
     modules = dict(reference.named_modules())
     gen = torch.Generator().manual_seed(5)
-    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-             "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
     for layer in range(2):
-        for engine_name, parts in fused.items():
+        for engine_name, parts in FUSED_PARTS.items():
             module = model.model.layers[layer].get_submodule(engine_name)
             block = engine_name.split(".")[0]
             prefixes = [f"model.layers.{layer}.{block}.{p}" for p in parts]
