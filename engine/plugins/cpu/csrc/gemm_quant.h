@@ -573,15 +573,18 @@ static void qdecode_nvfp4_rows(int rows, const float *x, int64_t ldx, const uint
 }
 #endif
 
-#define QDECODE_ROWS(KIND)                                                                 \
+/* A register block for `rows` (1 .. GEMM_ROWS) rows, the count a compile-time constant
+ * of the always-inline BLOCK so that each gets its own unrolled accumulators. */
+#define Q_ROWS_DISPATCH(rows, BLOCK, ...)                                                  \
     switch (rows) {                                                                        \
-    case 1: qdecode_panel(1, KIND, QDECODE_ARGS); break;                                   \
-    case 2: qdecode_panel(2, KIND, QDECODE_ARGS); break;                                   \
-    case 3: qdecode_panel(3, KIND, QDECODE_ARGS); break;                                   \
-    case 4: qdecode_panel(4, KIND, QDECODE_ARGS); break;                                   \
-    case 5: qdecode_panel(5 <= GEMM_ROWS ? 5 : 1, KIND, QDECODE_ARGS); break;              \
-    default: qdecode_panel(GEMM_ROWS, KIND, QDECODE_ARGS); break;                          \
+    case 1: BLOCK(1, __VA_ARGS__); break;                                                  \
+    case 2: BLOCK(2, __VA_ARGS__); break;                                                  \
+    case 3: BLOCK(3, __VA_ARGS__); break;                                                  \
+    case 4: BLOCK(4, __VA_ARGS__); break;                                                  \
+    case 5: BLOCK(5 <= GEMM_ROWS ? 5 : 1, __VA_ARGS__); break;                             \
+    default: BLOCK(GEMM_ROWS, __VA_ARGS__); break;                                         \
     }
+#define QDECODE_ROWS(KIND) Q_ROWS_DISPATCH(rows, qdecode_panel, KIND, QDECODE_ARGS)
 #define QDECODE_ARGS x, ldx, xsum, codes, sc, zs, k, group, bias, col, width, out, ldo, odt
 
 static void qdecode_dispatch(int kind, int rows, const float *x, int64_t ldx, const float *xsum,
@@ -784,16 +787,8 @@ static void qvnni_rows(int rows, const uint8_t *u, int64_t k, const float *sx,
                        const void *bias, int64_t col, int64_t width, void *out, int64_t ldo,
                        int odt, int streamed)
 {
-#define QVNNI_ARGS u, k, sx, panel, sw, sums, bias, col, width, out, ldo, odt, streamed
-    switch (rows) {
-    case 1: qvnni_block(1, QVNNI_ARGS); break;
-    case 2: qvnni_block(2, QVNNI_ARGS); break;
-    case 3: qvnni_block(3, QVNNI_ARGS); break;
-    case 4: qvnni_block(4, QVNNI_ARGS); break;
-    case 5: qvnni_block(5, QVNNI_ARGS); break;
-    default: qvnni_block(GEMM_ROWS, QVNNI_ARGS); break;
-    }
-#undef QVNNI_ARGS
+    Q_ROWS_DISPATCH(rows, qvnni_block, u, k, sx, panel, sw, sums, bias, col, width, out, ldo,
+                    odt, streamed)
 }
 
 static int qgemm_vnni(const qgemm_header *h, const char *base, const void *x, int64_t ldx,
@@ -961,17 +956,8 @@ static void qint4_bf16_rows(int rows, const uint16_t *x, int64_t ldx, const floa
                             const float *zs, int64_t group, const void *bias, int64_t col,
                             int64_t width, void *out, int64_t ldo, int odt, int streamed)
 {
-#define QI4_ARGS x, ldx, xsum, groups, codes, sc, zs, group, bias, col, width, out, ldo, odt, \
-                 streamed
-    switch (rows) {
-    case 1: qint4_bf16_block(1, QI4_ARGS); break;
-    case 2: qint4_bf16_block(2, QI4_ARGS); break;
-    case 3: qint4_bf16_block(3, QI4_ARGS); break;
-    case 4: qint4_bf16_block(4, QI4_ARGS); break;
-    case 5: qint4_bf16_block(5, QI4_ARGS); break;
-    default: qint4_bf16_block(GEMM_ROWS, QI4_ARGS); break;
-    }
-#undef QI4_ARGS
+    Q_ROWS_DISPATCH(rows, qint4_bf16_block, x, ldx, xsum, groups, codes, sc, zs, group, bias,
+                    col, width, out, ldo, odt, streamed)
 }
 
 /*
