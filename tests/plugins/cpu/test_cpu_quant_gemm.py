@@ -134,18 +134,20 @@ def test_int4_with_bf16_activations(kernels, layout, m):
     assert err < 4e-3, f"relative error {err:.2e}"
 
 
-def test_int4_bf16_layer_refuses_other_activations(kernels):
-    """A layer packed for bf16 activations (the model's dtype) called with float32 ones is
-    an error, not a wrong product."""
-    if not kernel_build.LEVELS[kernels.level].bf16_dot:
-        pytest.skip(f"{kernels.level} packs int4 for every activation dtype alike")
+def test_int4_layer_packed_for_bf16_called_with_float32(kernels):
+    """Where int4 layers of a bf16 model are packed for vdpbf16ps, float32 activations are
+    an error, not a wrong product; elsewhere the layer multiplies them as any other."""
     gen = torch.Generator().manual_seed(3)
     w = _weights(gen, "int", 4, 64, 256, 64, act_dtype=torch.bfloat16)
     layer = nn.Module()
     kernel = CPUQuantizedGemm(kernels)
     kernel.prepare(layer, w)
-    with pytest.raises(ValueError, match="packed for bfloat16 activations"):
-        kernel.apply(layer, torch.randn(3, 256))
+    x = torch.randn(3, 256, generator=gen)
+    if kernel_build.LEVELS[kernels.level].bf16_dot:
+        with pytest.raises(ValueError, match="packed for bfloat16 activations"):
+            kernel.apply(layer, x)
+    else:
+        _assert_close(kernel.apply(layer, x), _reference(w, x, None))
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: f"{a.encoding}-{a.strategy}")
