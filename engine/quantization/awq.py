@@ -20,7 +20,7 @@ import torch
 
 from engine.core.interfaces import QuantizedLayerSpec, QuantizedWeights, QuantMethod
 from engine.model_executor.layers.linear import ParamLayout
-from engine.quantization.base import QuantizedLinearMethod, add_param, unpack_codes
+from engine.quantization.base import QuantizedLinearMethod, add_param, unpack_codes, whole_group
 
 # AWQ_PACK_ORDER: bits 4 i of a word hold column ORDER[i]; column c sits at position INVERSE[c]
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -35,11 +35,7 @@ class AWQLinearMethod(QuantizedLinearMethod):
         self.scheme = "awq"
 
     def _group(self, in_features: int) -> int:
-        group = self.config.group_size if self.config.group_size > 0 else in_features
-        if in_features % group:
-            raise ValueError(f"awq: {in_features} input features are not a multiple of the "
-                             f"group size {group}")
-        return group
+        return whole_group("awq", self.config.group_size, in_features)
 
     def create_weights(self, layer, in_features, out_features, params_dtype):
         if out_features % 8:

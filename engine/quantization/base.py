@@ -41,6 +41,16 @@ def add_param(layer: nn.Module, name: str, shape: Sequence[int], dtype: torch.dt
     return param
 
 
+def whole_group(scheme: str, group: int, in_features: int) -> int:
+    """``group`` (<= 0: the whole row) input features per weight scale; ValueError when the
+    layer's K is not a whole number of them."""
+    group = group if group > 0 else in_features
+    if in_features % group:
+        raise ValueError(f"{scheme}: {in_features} input features are not a multiple of the "
+                         f"group size {group}")
+    return group
+
+
 def num_shards(layer: nn.Module) -> int:
     return len(layer.shard_sizes)
 

@@ -43,6 +43,7 @@ from engine.quantization.base import (
     shard_g_idx,
     trivial_g_idx,
     unpack_codes,
+    whole_group,
 )
 
 PER_SHARD = ParamLayout(output_dim=None, input_dim=None, per_shard=True)
@@ -137,14 +138,11 @@ def _group(in_features: int, args: QuantArgs, scheme: str) -> int:
     """Input features per weight scale; ValueError when K is not a whole number of them."""
     if args.strategy in ("tensor", "channel"):
         return in_features
-    if args.strategy == "block":
-        group = args.block_structure[1]
-    else:
-        group = args.group_size
-    if not group or in_features % group:
+    group = args.block_structure[1] if args.strategy == "block" else args.group_size
+    if not group:
         raise ValueError(f"{scheme}: {in_features} input features are not a multiple of the "
                          f"group size {group}")
-    return group
+    return whole_group(scheme, group, in_features)
 
 
 class _CTMethod(QuantizedLinearMethod):

@@ -28,6 +28,7 @@ from engine.quantization.base import (
     shard_g_idx,
     trivial_g_idx,
     unpack_codes,
+    whole_group,
 )
 
 PER_SHARD = ParamLayout(output_dim=None, input_dim=None, per_shard=True)
@@ -41,11 +42,7 @@ class GPTQLinearMethod(QuantizedLinearMethod):
         self.scheme = "gptq"
 
     def _group(self, in_features: int) -> int:
-        group = self.config.group_size if self.config.group_size > 0 else in_features
-        if in_features % group:
-            raise ValueError(f"gptq: {in_features} input features are not a multiple of the "
-                             f"group size {group}")
-        return group
+        return whole_group("gptq", self.config.group_size, in_features)
 
     def create_weights(self, layer, in_features, out_features, params_dtype):
         per_word = 32 // self.config.bits
