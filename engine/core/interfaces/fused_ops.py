@@ -41,6 +41,12 @@ class FusedOps(ABC):
         also be ``[tokens, heads, head_size]`` with contiguous heads (per-head q/k norms
         on a fused projection's slice); the result is ``[tokens * heads, head_size]``."""
 
+    def residual_add_(self, x: "torch.Tensor", residual: "torch.Tensor") -> "torch.Tensor":
+        """``residual += x`` in place for ``[rows, hidden]`` tensors; returns ``residual``.
+        A residual add no norm follows (an EAGLE head's); the default is torch's add,
+        which a forward graph of a C-kernel platform cannot record."""
+        return residual.add_(x)
+
     @abstractmethod
     def silu_and_mul(self, x: "torch.Tensor") -> "torch.Tensor":
         """``silu(gate) * up`` for ``x = [gate | up]`` of width ``2 * I``."""

@@ -198,6 +198,8 @@ class CPUKernels(FusedOps):
             _ptr, _ptr, _i64, _i64, _f32, _i32,  # weight, out, rows, hidden, eps, dtype
         ])
         self._silu_and_mul = _bind_op(lib.silu_and_mul, [_ptr, _i64, _ptr, _i64, _i64, _i32])
+        self._residual_add = _bind_op(lib.residual_add, [_ptr, _i64, _ptr, _i64, _i64, _i64,
+                                                         _i32])
         self._argmax = _bind_op(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
         self._rotary_neox = _bind_op(lib.rotary_neox, [
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, positions, cos|sin table
@@ -279,6 +281,21 @@ class CPUKernels(FusedOps):
                               weight.data_ptr(), out.data_ptr(), tokens * heads, hidden, eps,
                               DTYPE_CODES[x.dtype]), "rms_norm")
         return out
+
+    def residual_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` (both ``[rows, hidden]``, unit last stride), rounded as
+        torch's add; returns ``residual``."""
+        if x.shape != residual.shape or x.dim() != 2 or x.dtype != residual.dtype:
+            raise ValueError(f"residual_add_ needs two equal [rows, hidden] tensors, got "
+                             f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} "
+                             f"{residual.dtype}")
+        if x.stride(-1) != 1 or residual.stride(-1) != 1:
+            raise ValueError("residual_add_ needs a contiguous last dimension")
+        rows, hidden = x.shape
+        _check(self._residual_add(x.data_ptr(), x.stride(0), residual.data_ptr(),
+                                  residual.stride(0), rows, hidden, DTYPE_CODES[x.dtype]),
+               "residual_add")
+        return residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``."""

@@ -54,6 +54,21 @@ def test_rms_norm_with_and_without_residual(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 200])  # 200 x 96: the parallel loop
+def test_residual_add_rounds_as_torch_and_writes_in_place(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 2 * 96, generator=gen) * 4).to(dtype)
+    x = wide[:, :96]  # strided rows
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    want = x + residual
+    out = ops.residual_add_(x, residual)
+    assert out is residual
+    torch.testing.assert_close(residual, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="equal"):
+        ops.residual_add_(x[:, :8], residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_per_head_rms_norm_reads_a_slice_of_a_fused_projection(ops, dtype, tokens):
     """Qwen3's q/k norms: [tokens, heads, D] straight from the qkv output (no copy)."""

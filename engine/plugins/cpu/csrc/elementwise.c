@@ -110,6 +110,20 @@ static inline __attribute__((always_inline)) void rotary_row(
     }
 }
 
+/* residual[t] = round(x[t] + residual[t]): a residual add where no norm follows (an
+ * EAGLE head's fc halves, its output), the rounding rms_norm_row's add has. */
+static inline __attribute__((always_inline)) void residual_add_row(
+    const void *x, int64_t x_stride, void *residual, int64_t res_stride, int64_t t,
+    int64_t hidden, const int dtype)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++) {
+        const float h = load_at(x, t * x_stride + i, dtype) +
+                        load_at(residual, t * res_stride + i, dtype);
+        store_at(residual, t * res_stride + i, dtype, round_to(dtype, h));
+    }
+}
+
 /* The parallel row loop, one copy per dtype: the dtype must be a literal inside the
  * OpenMP region (regions are outlined before inlining) for the row loops to vectorize. */
 #define DISPATCH(ROW_CALL)                                                                   \
@@ -141,6 +155,15 @@ int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
     const int64_t cols = hidden;
 #define ROW(D) \
     rms_norm_row(x, x_stride, heads, residual, res_stride, weight, out, t, hidden, eps, D)
+    DISPATCH(ROW)
+#undef ROW
+}
+
+int residual_add(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
+                 int64_t rows, int64_t hidden, int dtype)
+{
+    const int64_t cols = hidden;
+#define ROW(D) residual_add_row(x, x_stride, residual, res_stride, t, hidden, D)
     DISPATCH(ROW)
 #undef ROW
 }

@@ -28,12 +28,14 @@ enum {
     GK_GEMM_PACKED,
     GK_GEMM_PLAIN,
     GK_QGEMM,
+    GK_RESIDUAL_ADD,
     GK_COUNT
 };
 
 static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
     "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain", "qgemm",
+    "residual_add",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -97,6 +99,9 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
             break;
         case GK_QGEMM:
             status = qgemm(P(0), a[1], P(2), P(3), P(4), a[5], a[6], I(7));
+            break;
+        case GK_RESIDUAL_ADD:
+            status = residual_add(P(0), a[1], P(2), a[3], a[4], a[5], I(6));
             break;
         default:
             status = -2;

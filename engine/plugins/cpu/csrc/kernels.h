@@ -28,6 +28,9 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
 int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
              int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
              float eps, int dtype);
+/* residual += x, rounded to dtype (rows strided, the last dimension contiguous). */
+int residual_add(const void *x, int64_t x_stride, void *residual, int64_t res_stride,
+                 int64_t rows, int64_t hidden, int dtype);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int64_t inter,
                  int dtype);
 int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void *cos_sin,
