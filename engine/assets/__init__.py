@@ -1,4 +1,5 @@
-"""Model directories shipped inside the package (the demo model and its draft twin)."""
+"""Model directories shipped inside the package: the demo model, its draft twin and its
+EAGLE-1 draft head."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ ASSETS_DIR = Path(__file__).resolve().parent
 DEMO_MODEL_NAME = "engine-demo"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo"
 DEMO_DRAFT_MODEL_DIR = ASSETS_DIR / "demo-draft"
+DEMO_EAGLE_MODEL_DIR = ASSETS_DIR / "demo-eagle"
 
 
 def demo_model_path() -> str:

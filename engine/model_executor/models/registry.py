@@ -60,6 +60,9 @@ _BUILTINS = {
     "MistralForCausalLM": "engine.model_executor.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "engine.model_executor.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.model_executor.models.qwen3:Qwen3ForCausalLM",
+    "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
 }
 
 MODEL_REGISTRY = ModelRegistry()
