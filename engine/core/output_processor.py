@@ -32,6 +32,7 @@ from engine.core.logprobs import chosen_logprob_sum, convert_logprobs
 from engine.core.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from engine.core.processor import ProcessedRequest
 from engine.core.request import FinishReason
+from engine.core.scheduler.output import LogprobsLists
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.stop_strings import StopStringMatcher
 from engine.core.tokenizer import TokenDecoder
@@ -97,24 +98,31 @@ class _ChildState:
         return self.finish_reason is not None
 
     def update(self, output: EngineCoreOutput) -> bool:
-        """Apply one step's output; return True if a stop string finished this child."""
+        """Apply one step's output; return True if a stop string finished this child.
+
+        A step may bring several tokens (accepted speculative drafts): a stop string that
+        ends inside them keeps only the tokens up to the one completing it, and their
+        logprobs, exactly as if they had come one per step."""
         new_ids = output.new_token_ids
         num_before = len(self.token_ids)
-        self.token_ids.extend(new_ids)
+        stop_hit, keep = False, len(new_ids)
+        if self.detokenizer is not None:
+            stop_hit, keep = self._update_text(new_ids, num_before, output.finish_reason)
+        self.token_ids.extend(new_ids[:keep])
         if output.new_logprobs is not None and self.logprobs is not None:
-            self.logprobs.extend(convert_logprobs(output.new_logprobs, self.decoder))
-            self.cumulative_logprob += chosen_logprob_sum(output.new_logprobs)
-        stop_hit = self.detokenizer is not None and self._update_text(
-            new_ids, num_before, output.finish_reason, output.stop_reason
-        )
+            rows = _first_rows(output.new_logprobs, keep)
+            self.logprobs.extend(convert_logprobs(rows, self.decoder))
+            self.cumulative_logprob += chosen_logprob_sum(rows)
         if not stop_hit and output.finish_reason is not None:
             self.finish_reason = str(FinishReason(output.finish_reason))
             self.stop_reason = output.stop_reason
         return stop_hit
 
     def _update_text(
-        self, new_ids: list[int], num_before: int, finish: int | None, stop_reason: int | str | None
-    ) -> bool:
+        self, new_ids: list[int], num_before: int, finish: int | None
+    ) -> tuple[bool, int]:
+        """Detokenize the new tokens and look for a stop string: (whether one finished
+        the child, how many of the new tokens to keep)."""
         assert self.detokenizer is not None
         text_ids = new_ids
         if (
@@ -125,23 +133,39 @@ class _ChildState:
         ):
             text_ids = new_ids[:-1]  # the stop token is not part of the text
         start = len(self.text)
+        ends: list[int] = []  # text length after each of text_ids
         in_min = max(self.params.min_tokens - num_before, 0)  # new tokens still inside min_tokens
         if in_min:
-            self.text += self.detokenizer.update(text_ids[:in_min])
+            self._detokenize(text_ids[:in_min], ends)
             self._min_tokens_text_end = len(self.text)
             text_ids = text_ids[in_min:]
-        self.text += self.detokenizer.update(text_ids)
+        self._detokenize(text_ids, ends)
         if finish is not None:
             self.text += self.detokenizer.flush()
+            if ends:
+                ends[-1] = len(self.text)
         if self.matcher is None or num_before + len(new_ids) <= self.params.min_tokens:
-            return False
+            return False, len(new_ids)
         match = self.matcher.find(self.text, max(start, self._min_tokens_text_end))
         if match is None:
-            return False
+            return False, len(new_ids)
         self.text = self.text[: match.truncate_to]
         self.finish_reason = str(FinishReason.STOP)
         self.stop_reason = match.stop
-        return True
+        # The token whose text completes the match is the last one kept.
+        keep = next((i + 1 for i, end in enumerate(ends) if end >= match.end), len(new_ids))
+        return True, keep
+
+    def _detokenize(self, ids: list[int], ends: list[int]) -> None:
+        """Append ``ids``' text; record the text length after each (token by token only
+        where a stop string may have to cut between them)."""
+        if self.matcher is not None and len(ids) > 1:
+            for token in ids:
+                self.text += self.detokenizer.update([token])
+                ends.append(len(self.text))
+            return
+        self.text += self.detokenizer.update(ids)
+        ends.extend([len(self.text)] * len(ids))
 
     def abort(self) -> None:
         self.finish_reason = str(FinishReason.ABORT)
@@ -169,6 +193,12 @@ class _ChildState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+
+
+def _first_rows(lists: LogprobsLists, n: int) -> LogprobsLists:
+    if len(lists.ranks) <= n:
+        return lists
+    return LogprobsLists(lists.token_ids[:n], lists.logprobs[:n], lists.ranks[:n])
 
 
 class _RequestState:

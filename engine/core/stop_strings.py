@@ -21,6 +21,7 @@ from dataclasses import dataclass
 class StopMatch:
     stop: str  # the stop string that matched
     truncate_to: int  # keep text[:truncate_to]
+    end: int  # where the match ends in the text
 
 
 class StopStringMatcher:
@@ -52,7 +53,7 @@ class StopStringMatcher:
         if best is None:
             return None
         end, start, stop = best
-        return StopMatch(stop, end if self.include_in_output else start)
+        return StopMatch(stop, end if self.include_in_output else start, end)
 
     def stable_length(self, text_length: int, finished: bool) -> int:
         """How much of the text may be shown now."""
