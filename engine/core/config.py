@@ -117,6 +117,77 @@ class DeviceConfig(BaseModel):
     num_threads: int | None = Field(default=None, ge=1)  # host threads (CPU platform)
 
 
+SpecMethod = Literal["ngram", "draft_model", "eagle"]
+SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle")
+# vLLM's other methods, refused by name with this reason.
+_UNSUPPORTED_SPEC_METHODS = {
+    "eagle3": "EAGLE-3 heads read several target layers' hidden states",
+    "medusa": "Medusa heads are not implemented",
+    "mlp_speculator": "MLP speculators are not implemented",
+    "deepseek_mtp": "multi-token-prediction layers arrive with DeepSeek-V3",
+    "mtp": "multi-token-prediction layers arrive with DeepSeek-V3",
+}
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's ``--speculative-config`` JSON: which proposer drafts how many tokens.
+
+    ``method`` may be omitted when ``model`` names a draft (vLLM infers ``draft_model``,
+    or ``eagle`` for an EAGLE head; the engine args resolve it from the draft's config).
+    ``model`` is resolved to a directory by the engine args (the shipped demo-draft /
+    demo-eagle when the target is the demo model and no model is given)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    # vLLM spells the draft's parallel size; only 1 exists here.
+    draft_tensor_parallel_size: int | None = Field(default=None, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if self.method == "[ngram]" or (self.method is None and self.model in ("ngram", "[ngram]")):
+            object.__setattr__(self, "method", "ngram")
+            object.__setattr__(self, "model", None)
+        if self.method in _UNSUPPORTED_SPEC_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported "
+                f"({_UNSUPPORTED_SPEC_METHODS[self.method]}); use one of {', '.join(SPEC_METHODS)}"
+            )
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; use one of {', '.join(SPEC_METHODS)}"
+            )
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = DEFAULT_PROMPT_LOOKUP
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            if lo > hi:
+                raise ValueError(
+                    f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})"
+                )
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only")
+        return self
+
+    @property
+    def uses_draft_kv(self) -> bool:
+        """Whether the proposer is a model with its own KV cache (it writes ahead)."""
+        return self.method in ("draft_model", "eagle")
+
+
 class EngineConfig(BaseModel):
     """The resolved configuration the engine runs with."""
 
@@ -127,3 +198,4 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None

@@ -76,6 +76,8 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
     quantization: str | None = None  # None: the checkpoint's; vLLM's names
+    # vLLM's --speculative-config: a dict or its JSON text (engine.spec_decode.config).
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -109,6 +111,14 @@ class EngineArgs:
 
         resolve_quantization(files.hf_config, self.quantization)  # a bad one fails here
         max_model_len = get_max_model_len(files.hf_config, self.max_model_len)
+        speculative = None
+        if self.speculative_config is not None:
+            from engine.spec_decode.config import resolve_speculative_config
+
+            # Every bad draft (vocabulary, size, method) fails here, before a model loads.
+            speculative = resolve_speculative_config(
+                self.speculative_config, files, is_demo_target=self.model is None
+            )
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
@@ -150,4 +160,5 @@ class EngineArgs:
                 attention_backend=self.attention_backend or os.environ.get(ATTENTION_BACKEND_ENV),
                 num_threads=self.num_threads,
             ),
+            speculative=speculative,
         )

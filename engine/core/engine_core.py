@@ -36,10 +36,14 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager.from_engine_config(
             config, vocab_size=self.executor.runner.vocab_size
         )
+        spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             self.executor.num_blocks,
+            # A draft model writes its KV up to K tokens past the verified ones.
+            num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_kv else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             structured_output_manager=self.structured_output_manager,
         )
         self.scheduler.register_ready_check(

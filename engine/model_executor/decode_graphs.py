@@ -47,7 +47,10 @@ class DecodeGraphs:
         max_batch_size: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        hidden_input: tuple[int, torch.dtype] | None = None,
     ) -> None:
+        """``hidden_input`` (width, dtype): the model also takes a ``target_hidden``
+        ``[n, width]`` input per row (an EAGLE head), kept in a persistent buffer too."""
         self.capturer = capturer
         self.model = model
         self.attn_backend = attn_backend
@@ -62,6 +65,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **i64)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i64)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.target_hidden = None
+        if hidden_input is not None:
+            width, dtype = hidden_input
+            self.target_hidden = torch.zeros(n, width, dtype=dtype, device=device)
         self._graphs: dict[int, ForwardGraph] = {}
         self._eager_sizes: set[int] = set()
         # On the host the buffers are filled through numpy views made once.
@@ -83,11 +90,15 @@ class DecodeGraphs:
             and n not in self._eager_sizes
         )
 
-    def forward(self, step: StepIndices) -> torch.Tensor | None:
+    def forward(
+        self, step: StepIndices, target_hidden: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The model's hidden states for a decode-only ``step`` (a view the next replay
         overwrites), or None when its batch size runs eagerly."""
         n = len(step.input_ids)
         self._fill(step)
+        if self.target_hidden is not None:
+            self.target_hidden[:n].copy_(target_hidden)
         graph = self._graphs.get(n)
         if graph is None:
             graph = self._capture(n, step.max_seq_len)
@@ -127,10 +138,11 @@ class DecodeGraphs:
         ids, positions = self.input_ids[:n], self.positions[:n]
         context = ForwardContext(metadata, self.kv_caches)
         model = self.model
+        extra = {} if self.target_hidden is None else {"target_hidden": self.target_hidden[:n]}
 
         def forward() -> torch.Tensor:
             with set_forward_context(context):
-                return model(ids, positions)
+                return model(ids, positions, **extra)
 
         try:
             graph = self.capturer.capture(forward)

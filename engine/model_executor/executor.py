@@ -82,6 +82,17 @@ class Executor:
         # float32 keeps bf16 K/V, which the attention kernels widen as they read.
         spec = self.model.kv_cache_spec()
         self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size, dtype)
+        from engine.spec_decode.factory import build_proposer
+
+        self.proposer = build_proposer(
+            config, platform, self.model, dtype, activation_dtype(config, platform, dtype)
+        )
+        # A draft's KV cache shares the block ids: every block costs both.
+        self.draft_kv_spec = None if self.proposer is None else self.proposer.kv_cache_spec()
+        draft_model = getattr(self.proposer, "model", None)
+        if draft_model is not None:  # each tensor once: an EAGLE head shares the target's
+            weights_bytes = kernel_report.weight_bytes(torch.nn.ModuleList([self.model, draft_model]))
+            self.weights_bytes = weights_bytes
         self.num_blocks = self._num_blocks(weights_bytes)
         sched = config.scheduler
         self.runner = ModelRunner(
@@ -93,6 +104,7 @@ class Executor:
             max_model_len=sched.max_model_len,
             block_size=block_size,
             enforce_eager=config.model.enforce_eager,
+            proposer=self.proposer,
         )
         self.runner.allocate_kv_cache(self.kv_spec, self.num_blocks)
         logger.info(
@@ -119,12 +131,23 @@ class Executor:
             "gemm_kernels": layers["gemm_kernels"],
             "layer_kernels": layers["layer_kernels"],
             "forward_graphs": self.runner.decode_graphs is not None,
+            "speculative": self._speculative_info(),
             **self.platform.kernel_info(),
         }
+
+    def _speculative_info(self) -> dict[str, Any] | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        return {"method": spec.method, "model": spec.model,
+                "num_speculative_tokens": spec.num_speculative_tokens,
+                **self.proposer.runtime_info()}
 
     def _num_blocks(self, weights_bytes: int) -> int:
         cache = self.config.cache
         block_bytes = self.kv_spec.block_bytes(cache.block_size)
+        if self.draft_kv_spec is not None:
+            block_bytes += self.draft_kv_spec.block_bytes(cache.block_size)
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
         else:

@@ -97,6 +97,26 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def append_token_lists(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Record several new tokens per row (accepted drafts and the step's own token)."""
+        counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(rows))
+        flat = np.fromiter(
+            (t for tokens in token_ids for t in tokens), dtype=np.int64, count=int(counts.sum())
+        )
+        row_of = np.repeat(rows, counts)
+        cols = np.repeat(self.num_tokens[rows], counts) + segment_offsets(counts)
+        room = cols < self.max_model_len
+        self.token_ids[row_of[room], cols[room]] = flat[room]
+        self.num_tokens[rows] = np.minimum(self.num_tokens[rows] + counts, self.max_model_len)
+
+    def write_scratch(self, rows: np.ndarray, starts: np.ndarray, token_ids: np.ndarray,
+                      counts: np.ndarray) -> None:
+        """Put tokens that are not known yet (drafts) at ``starts[i]..`` of each row,
+        where a step's inputs are gathered from; ``num_tokens`` does not move."""
+        row_of = np.repeat(rows, counts)
+        cols = np.repeat(starts, counts) + segment_offsets(counts)
+        self.token_ids[row_of, cols] = token_ids
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_row)
@@ -107,20 +127,66 @@ class InputBatch:
         num_scheduled = num_scheduled.astype(np.int32)
         if bool((num_scheduled == 1).all()):  # one token per request: a decode step
             return self._decode_step(rows, num_scheduled)
-        cu = np.cumsum(num_scheduled, dtype=np.int64)
-        total = int(cu[-1])
-        starts = cu - num_scheduled
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
-        query_start_loc[1:] = cu
-        token_row = np.repeat(rows, num_scheduled)
-        offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(starts, num_scheduled)
         computed = self.num_computed_tokens[rows]
-        positions = np.repeat(computed, num_scheduled) + offset_in_req
         seq_lens = (computed + num_scheduled).astype(np.int32)
         sample_batch_idx = np.flatnonzero(seq_lens >= self.num_tokens[rows])
+        return self._span(rows, computed, num_scheduled, sample_batch_idx)
+
+    def span(
+        self,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        input_ids: np.ndarray | None = None,
+    ) -> StepIndices:
+        """Positions ``[starts[i], starts[i] + counts[i])`` of each row as one batch whose
+        every row yields logits at its last token (a draft model's pass). ``input_ids``
+        (flat) replaces the tokens gathered from the rows."""
+        counts = np.asarray(counts, dtype=np.int32)
+        step = self._span(rows, np.asarray(starts, dtype=np.int64), counts,
+                          np.arange(len(rows), dtype=np.int64))
+        if input_ids is not None:
+            step.input_ids = np.asarray(input_ids, dtype=np.int64)
+        return step
+
+    def _span(
+        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+        sample_batch_idx: np.ndarray,
+    ) -> StepIndices:
+        """The flat layout of ``counts[i]`` tokens from position ``starts[i]`` per row."""
+        cu = np.cumsum(counts, dtype=np.int64)
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        query_start_loc[1:] = cu
+        token_row = np.repeat(rows, counts)
+        positions = np.repeat(starts, counts) + segment_offsets(counts)
+        seq_lens = (starts + counts).astype(np.int32)
         return self._step_indices(
-            rows, num_scheduled, query_start_loc, token_row, positions, seq_lens,
+            rows, counts, query_start_loc, token_row, positions, seq_lens,
             sample_batch_idx, logits_indices=cu[sample_batch_idx] - 1,
+        )
+
+    def as_decode_rows(self, step: StepIndices) -> StepIndices:
+        """The same tokens with each one its own attention row: token ``t`` at position
+        ``p`` attends to its request's first ``p + 1`` cache slots, which is exactly causal
+        attention within the request (every token's K/V is written before any attention
+        reads). A few tokens per request (drafts being verified) then run as a decode
+        step: the decode kernel, and a forward graph of that many rows."""
+        token_row = np.repeat(step.rows, step.num_scheduled)
+        n = len(token_row)
+        seq_lens = (step.positions + 1).astype(np.int32)
+        return StepIndices(
+            rows=token_row,
+            num_scheduled=np.ones(n, dtype=np.int32),
+            query_start_loc=np.arange(n + 1, dtype=np.int32),
+            positions=step.positions,
+            input_ids=step.input_ids,
+            slot_mapping=step.slot_mapping,
+            seq_lens=seq_lens,
+            block_tables=self.block_table[token_row, : step.block_tables.shape[1]],
+            sample_batch_idx=step.sample_batch_idx,
+            logits_indices=step.logits_indices,
+            max_query_len=1,
+            max_seq_len=step.max_seq_len,
         )
 
     def _decode_step(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepIndices:
@@ -163,3 +229,10 @@ class InputBatch:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
         )
+
+
+def segment_offsets(counts: np.ndarray) -> np.ndarray:
+    """``0..counts[i]-1`` for each i, concatenated."""
+    total = int(counts.sum())
+    starts = np.cumsum(counts, dtype=np.int64) - counts
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)

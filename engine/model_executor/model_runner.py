@@ -12,8 +12,9 @@ device: tensors go to ``platform.device()``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,9 +23,14 @@ from engine.core.interfaces import AttentionBatch, Platform
 from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
-from engine.model_executor.input_batch import InputBatch, StepIndices
+from engine.model_executor.input_batch import InputBatch, StepIndices, segment_offsets
 from engine.model_executor.sampling import Sampler, SamplingState, compute_prompt_logprobs
-from engine.structured_output.bitmask import bitmask_for_sampling_rows
+from engine.model_executor.sampling.rejection_sampler import RejectionSampler
+from engine.model_executor.sampling.state import SpecLayout
+from engine.structured_output.bitmask import bitmask_for_sampling_rows, bitmask_for_spec_rows
+
+if TYPE_CHECKING:
+    from engine.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,29 @@ class StepInputs:
 
     req_ids: list[str]  # batch order
     step: StepIndices
+    # Drafts verified this step (speculative decoding): per batch index, how many, and
+    # the drafts themselves flat in batch order. None when no request has drafts.
+    num_drafts: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None
+
+
+def build_attention_metadata(
+    attn_backend, step: StepIndices, upload: Callable[[np.ndarray], torch.Tensor]
+) -> Any:
+    """The backend's metadata for a step's layout (uploaded with ``upload``)."""
+    batch = AttentionBatch(
+        num_reqs=len(step.rows),
+        num_tokens=len(step.input_ids),
+        query_start_loc=upload(step.query_start_loc),
+        seq_lens=upload(step.seq_lens),
+        block_tables=upload(step.block_tables),
+        slot_mapping=upload(step.slot_mapping),
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+        query_start_loc_cpu=step.query_start_loc,
+        seq_lens_cpu=step.seq_lens,
+    )
+    return attn_backend.build_metadata(batch)
 
 
 class ModelRunner:
@@ -76,6 +105,7 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         enforce_eager: bool = False,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -93,9 +123,19 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Requests whose prompt logprobs are still due (kept across preemption).
         self._prompt_logprobs: dict[str, _PromptLogprobsProgress] = {}
+        # Speculative decoding: who drafts, who verifies, and the distributions the
+        # pending drafts were drawn from (until the next step verifies them).
+        self.proposer = proposer
+        k = 0 if proposer is None else proposer.num_speculative_tokens
+        self._max_verify_len = 1 + k  # tokens of a request whose drafts are verified
+        self.rejection_sampler = RejectionSampler(self.sampler.argmax)
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
+        """The target's KV cache (and the proposer's, over the same block ids)."""
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
         )
@@ -106,7 +146,7 @@ class ModelRunner:
                 self.model,
                 self.attn_backend,
                 self.kv_caches,
-                max_batch_size=self.input_batch.max_num_reqs,
+                max_batch_size=self.input_batch.max_num_reqs * self._max_verify_len,
                 max_blocks_per_seq=self.input_batch.block_table.shape[1],
                 device=self.device,
             )
@@ -117,8 +157,14 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self._prompt_logprobs.pop(req_id, None)
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        gone = so.finished_req_ids | so.preempted_req_ids
+        for req_id in gone:
             self._drop(req_id)
+        if self.proposer is not None and (gone or so.scheduled_new_reqs):
+            self.proposer.forget(gone | {new.req_id for new in so.scheduled_new_reqs})
+        if self._draft_probs:  # drafts not verified this step are void
+            spec = so.scheduled_spec_decode_tokens
+            self._draft_probs = {r: p for r, p in self._draft_probs.items() if r in spec}
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)  # resumed after preemption: replace stale state
             row = batch.add(
@@ -169,30 +215,59 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs)
         prompt_lp = self._prompt_logprobs_of_step(inputs, hidden)
-        tokens, logprobs = self._sample(
-            inputs, hidden, so.structured_output_req_ids, grammar_bitmask
-        )
+        if inputs.num_drafts is None:
+            tokens, logprobs = self._sample(
+                inputs, hidden, so.structured_output_req_ids, grammar_bitmask
+            )
+            token_lists = self._token_lists(inputs, tokens)
+        else:
+            token_lists, logprobs = self._verify(
+                inputs, hidden, so.structured_output_req_ids, grammar_bitmask
+            )
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
-            sampled_token_ids=self._token_lists(inputs, tokens),
+            sampled_token_ids=token_lists,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
+            spec_token_ids=self._propose(inputs, hidden, token_lists),
         )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled tokens (bulk numpy)."""
+        """Flatten the scheduled tokens (bulk numpy); drafts to verify are written past
+        each request's known tokens, where the step gathers its inputs."""
         req_ids = list(so.num_scheduled_tokens)
-        row_of = self.input_batch.req_id_to_row
+        batch = self.input_batch
+        row_of = batch.req_id_to_row
         rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_scheduled = np.fromiter(
             so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
         )
-        return StepInputs(req_ids, self.input_batch.prepare_step(rows, num_scheduled))
+        spec = so.scheduled_spec_decode_tokens
+        if not spec:
+            return StepInputs(req_ids, batch.prepare_step(rows, num_scheduled))
+        num_drafts = np.fromiter(
+            (len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        drafts = np.fromiter(
+            (t for r in req_ids for t in spec.get(r, ())), dtype=np.int64,
+            count=int(num_drafts.sum()),
+        )
+        batch.write_scratch(rows, batch.num_tokens[rows], drafts, num_drafts)
+        step = batch.prepare_step(rows, num_scheduled)
+        # Every drafted request samples at each of its draft positions and after them.
+        sampling = step.sample_batch_idx
+        counts = num_drafts[sampling] + 1
+        ends = step.query_start_loc[sampling + 1].astype(np.int64)
+        step.logits_indices = np.repeat(ends - counts, counts) + segment_offsets(counts)
+        return StepInputs(req_ids, step, num_drafts, drafts)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The step's hidden states: a forward graph's replay for a decode step it
-        covers, else the model called eagerly with the step's attention metadata."""
+        covers, else the model called eagerly with the step's attention metadata. A step
+        that only verifies drafts runs as a decode step of one row per token."""
         step = inputs.step
+        if inputs.num_drafts is not None and step.max_query_len <= self._max_verify_len:
+            step = self.input_batch.as_decode_rows(step)
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers(step):
             hidden = graphs.forward(step)
@@ -205,19 +280,7 @@ class ModelRunner:
     def _eager_inputs(self, step: StepIndices) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The attention metadata, token ids and positions of a step run eagerly."""
         upload = self._upload
-        batch = AttentionBatch(
-            num_reqs=len(step.rows),
-            num_tokens=len(step.input_ids),
-            query_start_loc=upload(step.query_start_loc),
-            seq_lens=upload(step.seq_lens),
-            block_tables=upload(step.block_tables),
-            slot_mapping=upload(step.slot_mapping),
-            max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len,
-            query_start_loc_cpu=step.query_start_loc,
-            seq_lens_cpu=step.seq_lens,
-        )
-        metadata = self.attn_backend.build_metadata(batch)
+        metadata = build_attention_metadata(self.attn_backend, step, upload)
         return metadata, upload(step.input_ids), upload(step.positions)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -260,6 +323,125 @@ class ModelRunner:
                 if self.sampling_state.wants_logprobs(int(step.rows[i])):
                     logprobs[inputs.req_ids[i]] = lists.select(j)
         return token_ids.tolist(), logprobs
+
+    def _verify(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        structured_req_ids: list[str],
+        grammar_bitmask: torch.Tensor | None,
+    ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
+        """Score every draft position and keep drafts by the rejection rule; each
+        sampling request emits its accepted drafts and one token of its own."""
+        step = inputs.step
+        lists: list[list[int]] = [[] for _ in inputs.req_ids]
+        sampling = step.sample_batch_idx
+        if not len(sampling):
+            return lists, {}
+        idx = self._upload(step.logits_indices)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        rows = step.rows[sampling]
+        num_drafts = inputs.num_drafts[sampling]
+        first = np.cumsum(inputs.num_drafts) - inputs.num_drafts
+        flat = np.concatenate(
+            [inputs.draft_token_ids[first[i] : first[i] + inputs.num_drafts[i]] for i in sampling]
+        ) if len(inputs.draft_token_ids) else inputs.draft_token_ids
+        layout = SpecLayout.of(num_drafts, flat)
+        sampling_req_ids = [inputs.req_ids[i] for i in sampling.tolist()]
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            token_bitmask = bitmask_for_spec_rows(
+                grammar_bitmask, structured_req_ids, sampling_req_ids, layout.num_drafts
+            )
+        out = self.rejection_sampler(
+            logits,
+            self.sampling_state.build_spec_metadata(rows, num_drafts, flat, layout),
+            layout,
+            draft_probs=self._pending_draft_probs(sampling_req_ids, num_drafts),
+            token_bitmask=token_bitmask,
+        )
+        self.input_batch.append_token_lists(rows, out.token_ids)
+        self.sampling_state.append_token_lists(rows, out.token_ids)
+        for i, tokens in zip(sampling.tolist(), out.token_ids):
+            lists[i] = tokens
+        logprobs: dict[str, LogprobsLists] = {}
+        if out.logprobs is not None:
+            batch_lists = out.logprobs.tolists()
+            start = 0
+            for j, (rid, tokens) in enumerate(zip(sampling_req_ids, out.token_ids)):
+                if self.sampling_state.wants_logprobs(int(rows[j])):
+                    logprobs[rid] = batch_lists.select_rows(start, len(tokens))
+                start += len(tokens)
+        return lists, logprobs
+
+    def _pending_draft_probs(self, req_ids: list[str], num_drafts: np.ndarray
+                             ) -> torch.Tensor | None:
+        """The distributions the verified drafts were drawn from, flat in order, or None
+        when every draft was deterministic (one-hot; greedy rows never read them)."""
+        if not self._draft_probs:
+            return None
+        stored = [self._draft_probs.pop(r, None) for r in req_ids]
+        if all(p is None for p in stored):
+            return None
+        out = torch.zeros(int(num_drafts.sum()), self.vocab_size, device=self.device)
+        start = 0
+        for probs, n in zip(stored, num_drafts.tolist()):
+            if probs is not None and n:
+                out[start : start + n] = probs[:n]
+            start += n
+        return out
+
+    def _propose(
+        self, inputs: StepInputs, hidden: torch.Tensor, token_lists: list[list[int]]
+    ) -> list[list[int]] | None:
+        """Drafts for the next step (None without a proposer)."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        from engine.spec_decode.proposer import ProposalBatch
+
+        step = inputs.step
+        batch = self.input_batch
+        rows = step.rows
+        emitted = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(rows))
+        sampled = emitted > 0
+        starts = step.positions[step.query_start_loc[:-1]].astype(np.int64)
+        scheduled = step.num_scheduled.astype(np.int64)
+        drafts = np.zeros(len(rows), dtype=np.int64) if inputs.num_drafts is None else (
+            inputs.num_drafts
+        )
+        # The step's real tokens, then the accepted drafts (emitted minus its own token).
+        verified_ends = np.where(
+            sampled, starts + scheduled - drafts + emitted - 1, starts + scheduled
+        )
+        num_tokens = batch.num_tokens[rows]
+        newest = num_tokens - 1
+        room = np.minimum(self.input_batch.max_model_len - 1 - newest,
+                          proposer.num_speculative_tokens)
+        if proposer.writes_kv_ahead:  # its KV writes stay inside the allocated blocks
+            room = np.minimum(room, batch.num_blocks[rows] * self.block_size - newest)
+        max_drafts = np.where(sampled, np.maximum(room, 0), 0)
+        proposal = proposer.propose(
+            ProposalBatch(
+                req_ids=inputs.req_ids,
+                rows=rows,
+                input_batch=batch,
+                sampling_state=self.sampling_state,
+                starts=starts,
+                verified_ends=verified_ends,
+                num_tokens=num_tokens,
+                sampled=sampled,
+                max_drafts=max_drafts,
+                hidden_starts=step.query_start_loc[:-1].astype(np.int64),
+                target_hidden=hidden,
+            )
+        )
+        if proposal.probs is not None:
+            first = np.cumsum(proposal.num_drafts) - proposal.num_drafts
+            for i, n in enumerate(proposal.num_drafts.tolist()):
+                if n:
+                    self._draft_probs[inputs.req_ids[i]] = proposal.probs[first[i] : first[i] + n]
+        return proposal.lists()
 
     @staticmethod
     def _token_lists(inputs: StepInputs, tokens: list[int]) -> list[list[int]]:

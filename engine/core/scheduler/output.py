@@ -85,3 +85,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Per request: logprobs of the prompt tokens computed this step (chunk by chunk).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Per request (batch order): drafts proposed for the next step; None when the
+    # engine does not speculate.
+    spec_token_ids: list[list[int]] | None = None

@@ -46,7 +46,7 @@ from engine.core.scheduler.output import (
     SchedulerOutput,
 )
 from engine.core.scheduler.policy import SchedulingPolicy
-from engine.core.scheduler.stats import SchedulerStats
+from engine.core.scheduler.stats import SchedulerStats, SpecDecodingStats
 from engine.core.scheduler.stop import check_stop
 
 if TYPE_CHECKING:
@@ -88,10 +88,13 @@ class Scheduler:
         num_blocks: int,
         *,
         num_lookahead_tokens: int = 0,
+        num_speculative_tokens: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -101,6 +104,10 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         # Slots reserved past the scheduled tokens for speculative drafts.
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Most drafts a request may carry into a step (0: speculative decoding is off);
+        # the executor proposes them, update_from_output trims them to what can be used.
+        self.num_speculative_tokens = num_speculative_tokens
+        self._spec_stats = SpecDecodingStats() if num_speculative_tokens else None
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -268,8 +275,9 @@ class Scheduler:
         )
 
     def _lookahead(self, num_tokens_after_step: int) -> int:
-        room = self.kv_cache_manager.max_num_tokens - num_tokens_after_step
-        return max(0, min(self.num_lookahead_tokens, room))
+        """Draft slots past the step's tokens, within the pool and ``max_model_len``."""
+        room = min(self.kv_cache_manager.max_num_tokens, self.max_model_len)
+        return max(0, min(self.num_lookahead_tokens, room - num_tokens_after_step))
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: drop the blocks, start over from the waiting queue."""
@@ -359,6 +367,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
+        proposed = model_runner_output.spec_token_ids
         finished: list[Request] = []
         for i, rid in enumerate(model_runner_output.req_ids):
             request = self.requests.get(rid)
@@ -370,12 +379,16 @@ class Scheduler:
                 if sampled:
                     # Drafts after the first rejection were computed in vain.
                     request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                    if self._spec_stats is not None:
+                        self._spec_stats.observe(len(drafts), len(sampled) - 1)
                 request.spec_token_ids.clear()
             if request.num_computed_tokens < request.num_tokens:
                 sampled = []  # mid-prefill: the chunk's last logits are not a next token
             new_token_ids = self._append_tokens(request, sampled)
             if new_token_ids and request.sampling_params.structured_outputs is not None:
                 self._advance_grammar(request, new_token_ids)
+            if proposed is not None and proposed[i] and not request.is_finished:
+                self._set_drafts(request, proposed[i])
             prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
             if not (new_token_ids or request.is_finished or prompt_logprobs):
                 continue
@@ -400,6 +413,16 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         return outputs
+
+    def _set_drafts(self, request: Request, drafts: list[int]) -> None:
+        """Keep the drafts the next step can use: at most K, none past the request's
+        ``max_tokens`` (the verification adds one token of its own) or ``max_model_len``."""
+        room = min(
+            self.num_speculative_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+        )
+        request.spec_token_ids = list(drafts[: max(0, room)])
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Accept sampled tokens one by one until a stop rule fires."""
@@ -445,7 +468,14 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             prefix_cache_requests=prefix.requests,
+            spec=self._take_spec_stats(),
         )
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        stats = self._spec_stats
+        if stats is not None:
+            self._spec_stats = SpecDecodingStats()
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

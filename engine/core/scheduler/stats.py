@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the previous ``make_stats()``: drafts verified, draft
+    tokens proposed and accepted, and acceptances by draft position (0 = first draft)."""
+
+    num_drafts: int = 0  # verification steps that had at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verification: ``num_accepted`` of its drafts were kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the target's own token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -17,6 +48,8 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens found computed
     num_preemptions: int
     prefix_cache_requests: int = 0
+    spec: SpecDecodingStats | None = None  # None when speculative decoding is off
+
 
     @property
     def prefix_cache_hit_rate(self) -> float:

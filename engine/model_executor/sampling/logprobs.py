@@ -53,6 +53,17 @@ class BatchLogprobsLists:
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def select_rows(self, start: int, count: int) -> LogprobsLists:
+        """Rows ``start .. start + count - 1`` (one request's emitted tokens), each cut
+        to its own k."""
+        keep = [1 + n for n in self.num_logprobs[start : start + count]]
+        span = range(start, start + count)
+        return LogprobsLists(
+            token_ids=[self.token_ids[i][:k] for i, k in zip(span, keep)],
+            logprobs=[self.logprobs[i][:k] for i, k in zip(span, keep)],
+            ranks=self.ranks[start : start + count],
+        )
+
     def select(self, i: int) -> LogprobsLists:
         """Row ``i`` as a one-token :class:`LogprobsLists`, cut to that row's own k."""
         keep = 1 + self.num_logprobs[i]

@@ -59,6 +59,9 @@ class PenaltyTensors:
     repetition: torch.Tensor  # float32 [P]
     frequency: torch.Tensor  # float32 [P]
     presence: torch.Tensor  # float32 [P]
+    # (penalty row in 0..P-1, token) pairs counted as output on top of the pools: the
+    # drafts before a verification row (speculative decoding).
+    extra_output_tokens: TokenPairs | None = None
 
 
 @dataclass

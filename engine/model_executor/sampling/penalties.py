@@ -36,6 +36,10 @@ def apply_batch_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> No
     """Apply penalties in place to the rows of ``logits`` that use them."""
     prompt_mask = penalties.prompt_mask_pool.index_select(0, penalties.slots)
     output_counts = penalties.output_counts_pool.index_select(0, penalties.slots)
+    extra = penalties.extra_output_tokens
+    if extra is not None:
+        ones = torch.ones(extra.rows.numel(), dtype=output_counts.dtype, device=logits.device)
+        output_counts.index_put_((extra.rows, extra.tokens), ones, accumulate=True)
     if penalties.rows is None:
         logits.copy_(
             apply_penalties(

@@ -221,8 +221,72 @@ class SamplingState:
             )
         return dataclasses.replace(
             cache.template,
-            bad_words=self._bad_words(cache),
-            min_tokens=self._min_tokens(cache, rows),
+            bad_words=self._bad_words(cache, self._recent_of(cache)),
+            min_tokens=self._min_tokens(cache, rows, self.num_output_tokens[rows]),
+        )
+
+    def build_spec_metadata(
+        self,
+        rows: np.ndarray,
+        num_drafts: np.ndarray,
+        draft_token_ids: np.ndarray,
+        layout: SpecLayout | None = None,
+    ) -> SamplingMetadata:
+        """Sampling inputs for verifying drafts: ``num_drafts[i] + 1`` logits rows per
+        request ``rows[i]``, row ``o`` of a request scoring its output position
+        ``num_output_tokens + o`` as if its first ``o`` drafts had been accepted.
+
+        Everything that depends on the output so far follows that assumption, so each
+        row's distribution is exactly the one plain sampling would see at that position:
+        penalties count the earlier drafts, min_tokens counts them, multi-token bad words
+        match across them, and seeded rows draw from the key of their own position.
+        ``draft_token_ids`` holds the drafts flat, request by request."""
+        rows = self._checked_rows(rows, "build_spec_metadata")
+        num_drafts = np.asarray(num_drafts, dtype=np.int64).reshape(-1)
+        drafts = np.asarray(draft_token_ids, dtype=np.int64).reshape(-1)
+        if num_drafts.shape != rows.shape or int(num_drafts.sum()) != drafts.size:
+            raise ValueError(
+                f"build_spec_metadata: {len(rows)} rows, {num_drafts.tolist()} drafts, "
+                f"{drafts.size} draft ids"
+            )
+        check_token_ids(drafts, self.vocab_size, "draft token ids")
+        layout = layout or SpecLayout.of(num_drafts, drafts)
+        expanded = np.repeat(rows, num_drafts + 1)
+        cache = self._build_cache((-1, b""), expanded)
+        num_output = self.num_output_tokens[expanded] + layout.offsets
+        template = cache.template
+        generators = {}
+        for i in np.flatnonzero(self.sampling_type[expanded] == int(SamplingType.RANDOM_SEED)):
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(draw_seed(int(self.seed[expanded[i]]), int(num_output[i])))
+            generators[int(i)] = generator
+        penalties = template.penalties
+        if penalties is not None and drafts.size:
+            penalties = dataclasses.replace(
+                penalties, extra_output_tokens=self._draft_counts(expanded, layout)
+            )
+        recent = self._recent_of(cache)
+        if recent is not None:
+            recent = layout.extend_history(recent, cache.bad_multi.batch_rows, recent.shape[1])
+        return dataclasses.replace(
+            template,
+            generators=generators,
+            penalties=penalties,
+            bad_words=self._bad_words(cache, recent),
+            min_tokens=self._min_tokens(cache, expanded, num_output),
+        )
+
+    def _draft_counts(self, expanded: np.ndarray, layout: SpecLayout) -> TokenPairs | None:
+        """(penalty row, token) for every draft that precedes a penalized row."""
+        penalized = np.flatnonzero(self.penalty_slot[expanded] >= 0)
+        position = np.full(len(expanded), -1, dtype=np.int64)
+        position[penalized] = np.arange(len(penalized))
+        batch_rows, tokens = layout.preceding_drafts()
+        keep = position[batch_rows] >= 0
+        if not keep.any():
+            return None
+        return TokenPairs(
+            self._to_device(position[batch_rows[keep]]), self._to_device(tokens[keep])
         )
 
     # -- metadata pieces --------------------------------------------------------------------
@@ -241,12 +305,19 @@ class SamplingState:
             bad_multi=static.bad_multi,
         )
 
-    def _bad_words(self, cache: _BatchCache) -> TokenPairs | None:
+    def _recent_of(self, cache: _BatchCache) -> np.ndarray | None:
+        """The recent tokens of each multi-token bad word's row ``[M, W]``."""
         multi = cache.bad_multi
-        if multi is None:
+        return None if multi is None else self.recent_tokens[multi.state_rows]
+
+    def _bad_words(self, cache: _BatchCache, recent: np.ndarray | None) -> TokenPairs | None:
+        """Banned tokens: single-token words, plus the last token of each multi-token
+        word whose prefix ends ``recent`` (one history row per multi-token word)."""
+        multi = cache.bad_multi
+        if multi is None or recent is None:
             return cache.bad_single_pairs
         width = multi.prefix.shape[1]
-        recent = self.recent_tokens[multi.state_rows, -width:]
+        recent = recent[:, recent.shape[1] - width :]
         hit = ((recent == multi.prefix) | ~multi.valid).all(axis=1)
         if not hit.any():
             return cache.bad_single_pairs
@@ -256,12 +327,16 @@ class SamplingState:
             tokens = np.concatenate([cache.bad_single[1], tokens])
         return TokenPairs(self._to_device(batch_rows), self._to_device(tokens))
 
-    def _min_tokens(self, cache: _BatchCache, rows: np.ndarray) -> TokenPairs | None:
+    def _min_tokens(
+        self, cache: _BatchCache, rows: np.ndarray, num_output: np.ndarray
+    ) -> TokenPairs | None:
+        """Stop tokens banned on batch rows whose output (``num_output`` per batch row)
+        is still shorter than min_tokens."""
         idx = cache.min_tokens_idx
         if idx is None:
             return None
         state_rows = rows[idx]
-        short = self.num_output_tokens[state_rows] < self.min_tokens[state_rows]
+        short = num_output[idx] < self.min_tokens[state_rows]
         if not short.any():
             return None
         stop_ids = self.min_tokens_stop_ids[state_rows[short]]
@@ -351,6 +426,58 @@ class SamplingState:
             if len(np.unique(rows)) != rows.size:
                 raise ValueError(f"{what}: rows must not repeat")
         return rows
+
+
+@dataclass(frozen=True)
+class SpecLayout:
+    """Where each request's drafts sit among its verification rows.
+
+    Request ``i`` owns rows ``starts[i] .. starts[i] + num_drafts[i]``; row ``o`` of it
+    scores output position ``o`` past the known tokens, draft ``o`` is verified there
+    and the last row is the bonus position."""
+
+    num_drafts: np.ndarray  # int64 [S]
+    drafts: np.ndarray  # int64 [S, K] padded with -1
+    starts: np.ndarray  # int64 [S] first row of each request
+    offsets: np.ndarray  # int64 [N] row's position within its request
+    request_of: np.ndarray  # int64 [N] request index of each row
+
+    @classmethod
+    def of(cls, num_drafts: np.ndarray, flat_drafts: np.ndarray) -> SpecLayout:
+        counts = num_drafts + 1
+        starts = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        request_of = np.repeat(np.arange(len(counts)), counts)
+        offsets = np.arange(total, dtype=np.int64) - starts[request_of]
+        width = int(num_drafts.max()) if len(num_drafts) else 0
+        drafts = np.full((len(counts), width), -1, dtype=np.int64)
+        column = np.arange(width)
+        drafts[column[None, :] < num_drafts[:, None]] = flat_drafts
+        return cls(num_drafts, drafts, starts, offsets, request_of)
+
+    def preceding_drafts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row, token) for every draft ``j`` of a request and each of its rows ``o > j``."""
+        rows, tokens = [], []
+        for j in range(self.drafts.shape[1]):  # K is small; each pass is bulk
+            has = np.flatnonzero(self.num_drafts > j)
+            for o in range(j + 1, self.drafts.shape[1] + 1):
+                later = has[self.num_drafts[has] >= o]
+                if not later.size:
+                    break
+                rows.append(self.starts[later] + o)
+                tokens.append(self.drafts[later, j])
+        if not rows:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(rows), np.concatenate(tokens)
+
+    def extend_history(self, recent: np.ndarray, rows: np.ndarray, width: int) -> np.ndarray:
+        """The last ``width`` tokens of each of ``rows``' histories ``recent`` ``[M, W]``
+        followed by the drafts before that row."""
+        k = self.drafts.shape[1]
+        joined = np.concatenate([recent, self.drafts[self.request_of[rows]]], axis=1)
+        end = recent.shape[1] + self.offsets[rows]
+        cols = end[:, None] - width + np.arange(width)[None, :]
+        return np.take_along_axis(joined, cols, axis=1) if k else recent
 
 
 def draw_seed(seed: int, position: int) -> int:
