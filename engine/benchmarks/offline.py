@@ -8,6 +8,8 @@ and noisy: a single figure hides that, a median with its runs does not.
   wall second of that call.
 * latency: one request; time to first token and milliseconds per output token after it,
   both from the engine's own ``RequestOutput.metrics`` timestamps.
+* speculative decoding, when on (throughput and latency): draft and accepted token
+  counts of the measured rounds together, from the engine's own counters.
 * prefix: time to first token of a prompt that shares its first ``prefix_len`` tokens
   with an earlier one, with prefix caching on and off (two engines, built in turn).
 """
@@ -21,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.benchmarks.report import spec_decoding_json
 from engine.benchmarks.workload import LOWEST_TOKEN_ID, Workload
+from engine.core.scheduler.stats import SpecDecodingStats
 
 
 @dataclass
@@ -44,6 +48,7 @@ class ThroughputResult:
     elapsed_s: Runs
     output_tokens: int  # generated per run (num_prompts * output_len when EOS is ignored)
     prompt_tokens: int
+    spec: SpecDecodingStats | None = None  # the measured rounds'; None: spec decoding off
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +59,7 @@ class ThroughputResult:
             "elapsed_s": self.elapsed_s.to_json(3),
             "output_tokens": self.output_tokens,
             "prompt_tokens": self.prompt_tokens,
+            **_spec_json(self.spec),
         }
 
 
@@ -62,13 +68,20 @@ class LatencyResult:
     ttft_ms: Runs
     decode_ms_per_token: Runs
     e2e_s: Runs
+    spec: SpecDecodingStats | None = None  # the measured rounds'; None: spec decoding off
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ttft_ms": self.ttft_ms.to_json(2),
             "decode_ms_per_token": self.decode_ms_per_token.to_json(3),
             "e2e_s": self.e2e_s.to_json(3),
+            **_spec_json(self.spec),
         }
+
+
+def _spec_json(spec: SpecDecodingStats | None) -> dict[str, Any]:
+    """The ``spec_decoding`` results entry, present only when speculative decoding ran."""
+    return {} if spec is None else {"spec_decoding": spec_decoding_json(spec)}
 
 
 @dataclass
@@ -106,6 +119,8 @@ def run_throughput(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -
     tok_s, elapsed = [], []
     output_tokens = 0
     for i in range(warmup + repeats):
+        if i == warmup:
+            llm.get_spec_decoding_stats()  # the warmup's drafts are not measured
         gc.collect()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -119,6 +134,7 @@ def run_throughput(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -
         elapsed_s=Runs(elapsed),
         output_tokens=output_tokens,
         prompt_tokens=workload.num_prompts * workload.input_len,
+        spec=llm.get_spec_decoding_stats(),
     )
 
 
@@ -129,6 +145,8 @@ def run_latency(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -> L
     params = workload.sampling_params()
     ttft, per_token, e2e = [], [], []
     for i in range(warmup + repeats):
+        if i == warmup:
+            llm.get_spec_decoding_stats()  # the warmup's drafts are not measured
         gc.collect()
         start = time.perf_counter()
         (output,) = llm.generate([prompt], params, use_tqdm=False)
@@ -143,7 +161,7 @@ def run_latency(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -> L
         decode = (metrics.last_token_time - metrics.first_token_time) * 1e3
         per_token.append(decode / (n - 1) if n > 1 else float("nan"))
         e2e.append(wall)
-    return LatencyResult(Runs(ttft), Runs(per_token), Runs(e2e))
+    return LatencyResult(Runs(ttft), Runs(per_token), Runs(e2e), llm.get_spec_decoding_stats())
 
 
 def prefix_prompts(

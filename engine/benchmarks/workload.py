@@ -32,6 +32,9 @@ class Workload:
     seed: int = 0
     vocab_high: int = REFERENCE_VOCAB_HIGH  # exclusive upper bound of the drawn ids
     structured_output: str | None = None  # None or "json" (JSON_WORKLOAD_SCHEMA)
+    # A text prompt every request uses instead of random ids (``input_len`` is then
+    # whatever it tokenizes to): speculative decoding needs text a proposer can predict.
+    prompt: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "input_len", "output_len"):
@@ -50,7 +53,10 @@ class Workload:
         ]
 
     def prompts(self) -> list[dict[str, Any]]:
-        """Offline-API prompts: ``{"prompt_token_ids": ids}`` each."""
+        """Offline-API prompts: ``{"prompt_token_ids": ids}`` each (``{"prompt": text}``
+        for a text workload)."""
+        if self.prompt is not None:
+            return [{"prompt": self.prompt} for _ in range(self.num_prompts)]
         return [{"prompt_token_ids": ids} for ids in self.prompt_token_ids()]
 
     def sampling_params(self):

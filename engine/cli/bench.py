@@ -1,5 +1,8 @@
 """`engine bench ...`: reproducible performance measurements (table on stdout, --json FILE).
 
+With ``--speculative-config`` the report names the resolved config, and throughput and
+latency add the measured rounds' acceptance figures (``results.spec_decoding`` in JSON).
+
 Subcommands (a click group, so serving benchmarks join as further subcommands):
 
 * ``throughput``  every prompt submitted at once through the offline API
@@ -50,6 +53,13 @@ def _workload_options(
     return decorate
 
 
+_prompt_option = click.option(
+    "--prompt", "prompt_text", default=None,
+    help="A text prompt for every request instead of random token ids (--input-len is then "
+         "ignored): text a speculative proposer can predict, e.g. 'Repeat this paragraph'.",
+)
+
+
 @click.group("bench")
 def bench_cmd() -> None:
     """Measure throughput, latency, prefix caching and the decode step profile."""
@@ -62,7 +72,7 @@ def _make_llm(engine_kwargs: dict[str, Any], **overrides: Any):
 
 
 def _workload(engine_kwargs: dict[str, Any], num_prompts: int, input_len: int,
-              output_len: int, ignore_eos: bool):
+              output_len: int, ignore_eos: bool, prompt_text: str | None = None):
     from engine.benchmarks.workload import Workload
 
     return Workload(
@@ -71,6 +81,7 @@ def _workload(engine_kwargs: dict[str, Any], num_prompts: int, input_len: int,
         output_len=output_len,
         ignore_eos=ignore_eos,
         vocab_high=_vocab_high(engine_kwargs),
+        prompt=prompt_text,
     )
 
 
@@ -87,10 +98,12 @@ def _vocab_high(engine_kwargs: dict[str, Any]) -> int:
 
 def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
           results: dict[str, Any], rows: list[tuple[str, str]], json_path: str | None) -> None:
-    from engine.benchmarks.report import environment, format_table, write_json
+    from engine.benchmarks.report import environment, format_table, speculative_text, write_json
 
     env = environment()
+    speculative = ("speculative decoding", speculative_text(llm_info.get("speculative_config")))
     rows = rows + _runtime_row(llm_info) + [
+        speculative,
         ("threads / load avg", f"{env['torch_threads']} / {env['load_avg_1m']}"),
         ("memory read", f"{env['memory_read_gb_s']} GB/s"),
     ]
@@ -104,8 +117,10 @@ def _llm_info(llm, load_s: float) -> dict[str, Any]:
     """The model, its dtypes and what the executor runs it with (platform, ISA level,
     kernels), read from the in-process engine core."""
     config = llm.llm_engine.config
+    spec = config.speculative
     info: dict[str, Any] = {"model": config.model.model, "dtype": config.model.dtype,
-                            "load_s": round(load_s, 2)}
+                            "load_s": round(load_s, 2),
+                            "speculative_config": spec.model_dump() if spec else None}
     core = getattr(llm.llm_engine.client, "core", None)
     if core is not None:
         info["runtime"] = core.executor.runtime_info()
@@ -142,18 +157,20 @@ def _fail(exc: Exception):
 
 @bench_cmd.command("throughput")
 @_workload_options(num_prompts=64, input_len=128, output_len=128)
+@_prompt_option
 @click.option("--structured-output", type=click.Choice(["none", "json"]), default="none",
               show_default=True, help="json: constrain every request to a JSON schema.")
 def throughput_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
                    warmup: int, repeats: int, json_path: str | None, structured_output: str,
-                   **engine_kwargs) -> None:
+                   prompt_text: str | None, **engine_kwargs) -> None:
     """Offline throughput: every prompt submitted at once, output tokens per second."""
     from engine.benchmarks.offline import run_throughput
-    from engine.benchmarks.report import runs_text
+    from engine.benchmarks.report import runs_text, spec_decoding_rows
 
     try:
         llm, load_s = _timed_llm(engine_kwargs)
-        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos)
+        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos,
+                             prompt_text)
         if structured_output != "none":
             workload = dataclasses.replace(workload, structured_output=structured_output)
         result = run_throughput(llm, workload, warmup=warmup, repeats=repeats).to_json()
@@ -166,30 +183,35 @@ def throughput_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos
         ("total tokens/s", f"{result['total_tok_s']} tok/s"),
         ("wall", runs_text(result["elapsed_s"], "s")),
         ("engine load", f"{load_s:.2f} s"),
+        *spec_decoding_rows(result.get("spec_decoding")),
     ], json_path)
 
 
 @bench_cmd.command("latency")
 @_workload_options(num_prompts=1, input_len=128, output_len=128)
+@_prompt_option
 def latency_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
-                warmup: int, repeats: int, json_path: str | None, **engine_kwargs) -> None:
+                warmup: int, repeats: int, json_path: str | None, prompt_text: str | None,
+                **engine_kwargs) -> None:
     """Single-stream latency: TTFT and decode ms per output token of one request."""
     from engine.benchmarks.offline import run_latency
-    from engine.benchmarks.report import runs_text
+    from engine.benchmarks.report import runs_text, spec_decoding_rows
 
     if num_prompts != 1:
         raise click.BadParameter("latency runs one request at a time", param_hint="--num-prompts")
     try:
         llm, load_s = _timed_llm(engine_kwargs)
-        workload = _workload(engine_kwargs, 1, input_len, output_len, ignore_eos)
+        workload = _workload(engine_kwargs, 1, input_len, output_len, ignore_eos, prompt_text)
         result = run_latency(llm, workload, warmup=warmup, repeats=repeats).to_json()
     except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     _emit("latency", _llm_info(llm, load_s), _settings(workload, warmup, repeats), result, [
-        ("prompt / output tokens", f"{input_len} / {output_len}"),
+        ("prompt / output tokens",
+         f"{'text' if prompt_text else input_len} / {output_len}"),
         ("time to first token", runs_text(result["ttft_ms"], "ms")),
         ("decode", runs_text(result["decode_ms_per_token"], "ms/token")),
         ("end to end", runs_text(result["e2e_s"], "s")),
+        *spec_decoding_rows(result.get("spec_decoding")),
     ], json_path)
 
 
@@ -231,10 +253,11 @@ def prefix_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bo
 
 @bench_cmd.command("profile")
 @_workload_options(num_prompts=64, input_len=128, output_len=32, repeats=False)
+@_prompt_option
 @click.option("--steps", type=int, default=10, show_default=True,
               help="Decode steps to profile (the median per stage is reported).")
 def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
-                warmup: int, json_path: str | None, steps: int,
+                warmup: int, json_path: str | None, steps: int, prompt_text: str | None,
                 **engine_kwargs) -> None:
     """Per-stage time of one decode step with --num-prompts requests running."""
     from engine.benchmarks.offline import run_throughput
@@ -242,7 +265,8 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
 
     try:
         llm, load_s = _timed_llm(engine_kwargs)
-        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos)
+        workload = _workload(engine_kwargs, num_prompts, input_len, output_len, ignore_eos,
+                             prompt_text)
         if warmup:
             run_throughput(llm, workload, warmup=0, repeats=warmup)
         result = profile_decode_step(llm, workload, num_steps=steps).to_json()

@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import click
+
+
+def parse_speculative_config(
+    ctx: click.Context | None, param: click.Parameter | None, value: str | None
+) -> dict[str, Any] | None:
+    """``--speculative-config`` text -> the dict EngineArgs takes; a typo is a usage error
+    now, not a stack trace after the model has loaded."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc}): {value!r}", ctx, param) from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(
+            f"must be a JSON object such as '{{\"method\": \"ngram\", "
+            f"\"num_speculative_tokens\": 3}}', got {type(parsed).__name__}: {value!r}",
+            ctx, param,
+        )
+    return parsed
+
 
 _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--model", default=None, help="HF model directory (default: the demo model)."),
@@ -41,6 +63,11 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--generation-config", default="auto", show_default=True,
                  help="Sampling defaults: 'auto' (the model's generation_config.json), "
                       "'vllm' (none) or a directory holding a generation_config.json."),
+    click.option("--speculative-config", "speculative_config", default=None,
+                 callback=parse_speculative_config, metavar="JSON",
+                 help="Speculative decoding as a JSON object (vLLM's), e.g. "
+                      "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
+                      "'{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}'; default: off."),
 ]
 
 ENGINE_OPTION_NAMES = (
@@ -48,6 +75,7 @@ ENGINE_OPTION_NAMES = (
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
     "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
+    "speculative_config",
 )
 
 

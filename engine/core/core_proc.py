@@ -158,6 +158,8 @@ class EngineCoreProc:
         totals.prefix_cache_hits_total += interval.prefix_cache_hits
         totals.prefix_cache_requests_total += interval.prefix_cache_requests
         totals.num_preemptions_total += interval.num_preemptions
+        if interval.spec is not None:  # None: speculative decoding is off
+            totals.add_spec_interval(interval.spec)
         return totals
 
     def _request_shutdown(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from engine.core.scheduler.stats import SpecDecodingStats
 
 # Front end -> core.
 ADD = b"A"
@@ -67,12 +68,44 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     prefix_cache_hits_total: int = 0  # tokens found computed
     prefix_cache_requests_total: int = 0
     num_preemptions_total: int = 0
+    # Speculative decoding (every field defaults, so a peer without them still decodes).
+    spec_decoding_enabled: bool = False  # the scheduler reported spec stats at least once
+    spec_num_drafts_total: int = 0  # verifications that had drafts
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_num_accepted_tokens_per_pos_total: list[int] = msgspec.field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if not self.prefix_cache_queries_total:
             return 0.0
         return self.prefix_cache_hits_total / self.prefix_cache_queries_total
+
+    def add_spec_interval(self, interval: SpecDecodingStats) -> None:
+        """Fold one interval's speculative counts into the totals; the per-position list
+        grows to the longest draft seen."""
+        self.spec_decoding_enabled = True
+        self.spec_num_drafts_total += interval.num_drafts
+        self.spec_num_draft_tokens_total += interval.num_draft_tokens
+        self.spec_num_accepted_tokens_total += interval.num_accepted_tokens
+        per_pos = self.spec_num_accepted_tokens_per_pos_total
+        extra = len(interval.num_accepted_tokens_per_pos) - len(per_pos)
+        if extra > 0:
+            per_pos.extend([0] * extra)
+        for pos, accepted in enumerate(interval.num_accepted_tokens_per_pos):
+            per_pos[pos] += accepted
+
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """The cumulative speculative counts in the scheduler's shape (for its rates);
+        None while speculative decoding is off."""
+        if not self.spec_decoding_enabled:
+            return None
+        return SpecDecodingStats(
+            num_drafts=self.spec_num_drafts_total,
+            num_draft_tokens=self.spec_num_draft_tokens_total,
+            num_accepted_tokens=self.spec_num_accepted_tokens_total,
+            num_accepted_tokens_per_pos=list(self.spec_num_accepted_tokens_per_pos_total),
+        )
 
 
 encoder = msgspec.msgpack.Encoder()

@@ -17,6 +17,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.output_processor import OutputProcessor
 from engine.core.processor import Processor
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler.stats import SpecDecodingStats
 from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
 
 
@@ -84,6 +85,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = client if client is not None else InprocClient(config)
         self._ids = itertools.count()
+        self._spec_seen = SpecDecodingStats()  # a process-backed core's totals, last read
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -127,6 +129,28 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding counts since the previous call, so a benchmark can take
+        its measured rounds alone; None when speculative decoding is off.
+
+        An in-process core's scheduler counts per interval and nothing else here reads
+        them; a process-backed core reports totals, so the change since last time."""
+        if self.config.speculative is None:
+            return None
+        core = getattr(self.client, "core", None)
+        if core is not None:
+            return core.get_stats().spec or SpecDecodingStats()
+        totals = self.client.get_stats().spec_decoding_stats() or SpecDecodingStats()
+        seen, self._spec_seen = self._spec_seen, totals
+        per_pos = totals.num_accepted_tokens_per_pos
+        seen_per_pos = seen.num_accepted_tokens_per_pos + [0] * len(per_pos)
+        return SpecDecodingStats(
+            num_drafts=totals.num_drafts - seen.num_drafts,
+            num_draft_tokens=totals.num_draft_tokens - seen.num_draft_tokens,
+            num_accepted_tokens=totals.num_accepted_tokens - seen.num_accepted_tokens,
+            num_accepted_tokens_per_pos=[n - seen_per_pos[i] for i, n in enumerate(per_pos)],
+        )
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -11,6 +11,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
+from engine.core.scheduler.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (False while blocks are still in use)."""
         return self.llm_engine.client.reset_prefix_cache()
+
+    def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Draft and accepted token counts since the previous call (None when speculative
+        decoding is off): call once before the rounds to measure, once after."""
+        return self.llm_engine.get_spec_decoding_stats()
 
     # -- internals ------------------------------------------------------------------------
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

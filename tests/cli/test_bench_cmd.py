@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 from click.testing import CliRunner
 
-from engine.benchmarks.offline import prefix_prompts
+from engine.benchmarks.offline import prefix_prompts, run_throughput
+from engine.benchmarks.report import spec_decoding_json, spec_decoding_rows, speculative_text
 from engine.benchmarks.workload import Workload
 from engine.cli import main
+from engine.core.scheduler.stats import SpecDecodingStats
 
 SMALL = ["--kv-cache-space", "0.05", "--device", "cpu"]
 
@@ -77,6 +80,7 @@ def test_throughput(tmp_path, llama_dir):
     assert sum(runtime["gemm_kernels"].values()) == 2 * 4 + 1  # 2 layers x 4 linears + head
     assert report["environment"]["torch_threads"] >= 1
     assert report["environment"]["memory_read_gb_s"] > 0  # the bandwidth batch-1 decode had
+    assert report["speculative_config"] is None and "spec_decoding" not in results
 
 
 def test_latency(tmp_path, llama_dir):
@@ -156,3 +160,101 @@ def test_a_quantized_checkpoint_reports_its_scheme_size_and_layer_kernels(tmp_pa
     for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert layers[kind].startswith("cpu_qgemm") and layers[kind].endswith("pack-quantized]")
     assert layers["lm_head"].startswith("cpu_packed")
+
+
+# -- speculative decoding figures ----------------------------------------------------------
+SPEC = SpecDecodingStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=18,
+                         num_accepted_tokens_per_pos=[9, 6, 3])
+
+
+def test_spec_decoding_json_has_the_acceptance_figures():
+    assert spec_decoding_json(SPEC) == {
+        "num_drafts": 10,
+        "num_draft_tokens": 30,
+        "num_accepted_tokens": 18,
+        "acceptance_rate": 0.6,
+        "mean_acceptance_length": 2.8,  # 1 target token + 18 / 10 accepted per verification
+        "num_accepted_tokens_per_pos": [9, 6, 3],
+        "acceptance_rate_per_pos": [0.9, 0.6, 0.3],  # accepted at i / drafts
+    }
+
+
+def test_spec_decoding_rows_format_the_figures():
+    rows = dict(spec_decoding_rows(spec_decoding_json(SPEC)))
+    assert rows == {
+        "draft / accepted tokens": "30 / 18 (10 drafts)",
+        "acceptance rate": "60.0%",
+        "mean acceptance length": "2.80 tokens per verification",
+        "acceptance by position": "0: 90.0%, 1: 60.0%, 2: 30.0%",
+    }
+    assert spec_decoding_rows(None) == []  # off: no rows
+    (row,) = spec_decoding_rows(spec_decoding_json(SpecDecodingStats()))
+    assert "no drafts" in row[1]
+
+
+def test_speculative_text_names_the_method():
+    assert speculative_text(None) == "off"
+    ngram = {"method": "ngram", "model": None, "num_speculative_tokens": 3,
+             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert speculative_text(ngram) == "ngram, 3 tokens per draft, n-gram 2-5"
+    draft = {"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 4}
+    assert speculative_text(draft) == "draft_model, 4 tokens per draft, draft /m/draft"
+
+
+class _SpecLLM:
+    """An LLM stand-in whose engine drafted ``per_round`` in every generate call."""
+
+    def __init__(self, per_round: SpecDecodingStats) -> None:
+        self.per_round = per_round
+        self.pending = SpecDecodingStats()
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        p = self.pending
+        r = self.per_round
+        self.pending = SpecDecodingStats(
+            p.num_drafts + r.num_drafts, p.num_draft_tokens + r.num_draft_tokens,
+            p.num_accepted_tokens + r.num_accepted_tokens,
+            [a + b for a, b in zip(p.num_accepted_tokens_per_pos or [0] * 3,
+                                   r.num_accepted_tokens_per_pos)])
+        done = SimpleNamespace(token_ids=[1] * params.max_tokens)
+        return [SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    def get_spec_decoding_stats(self) -> SpecDecodingStats:
+        taken, self.pending = self.pending, SpecDecodingStats()
+        return taken
+
+
+def test_throughput_counts_the_measured_rounds_drafts_only():
+    llm = _SpecLLM(SpecDecodingStats(5, 15, 9, [5, 3, 1]))
+    workload = Workload(num_prompts=2, input_len=4, output_len=3)
+    result = run_throughput(llm, workload, warmup=2, repeats=2)
+    assert result.spec == SpecDecodingStats(10, 30, 18, [10, 6, 2])  # the 2 measured rounds
+    assert result.to_json()["spec_decoding"]["acceptance_rate"] == 0.6
+
+
+def test_bench_reports_spec_figures_from_the_engine(tmp_path, llama_dir, monkeypatch):
+    """The CLI path: what ``LLM.get_spec_decoding_stats`` hands over after the measured
+    rounds lands in the table and the JSON (stubbed: the engine itself drafts nothing)."""
+    from engine.entrypoints.llm import LLM
+
+    calls: list[int] = []
+
+    def fake_stats(self) -> SpecDecodingStats:
+        calls.append(1)
+        return SPEC if len(calls) == 2 else SpecDecodingStats(1, 3, 0, [0, 0, 0])
+
+    monkeypatch.setattr(LLM, "get_spec_decoding_stats", fake_stats)
+    out = tmp_path / "result.json"
+    run = CliRunner().invoke(main, [
+        "bench", "latency", "--model", str(llama_dir), "--input-len", "4", "--output-len", "3",
+        "--warmup", "1", "--repeats", "1", *SMALL, "--json", str(out)])
+    assert run.exit_code == 0, run.output
+    assert len(calls) == 2  # once before the measured round (drops the warmup's), once after
+    assert json.loads(out.read_text())["results"]["spec_decoding"] == spec_decoding_json(SPEC)
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in run.output.splitlines()
+                 if re.search(r"\S\s{2,}\S", line))
+    assert table["acceptance by position"] == "0: 90.0%, 1: 60.0%, 2: 30.0%"
+    assert table["acceptance rate"] == "60.0%"
+    assert table["speculative decoding"] == "off"  # the engine's own config

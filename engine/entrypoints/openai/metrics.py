@@ -6,6 +6,9 @@ Two sources:
   counters) is fetched with ``AsyncLLM.get_stats()`` when ``/metrics`` is scraped and
   exposed through a custom collector: the core's cumulative counters become Prometheus
   counters directly, with no double counting.
+* Speculative decoding, when it is on: draft and accepted token counters (one per draft
+  position too) as vLLM names them, so its PromQL for acceptance rates carries over;
+  absent altogether while it is off.
 * Per-request latencies and token counts are observed by the serving layer when a request
   ends (:meth:`ServerMetrics.observe_request`), from the ``RequestMetrics`` timestamps the
   output processor records.
@@ -75,6 +78,38 @@ class _CoreStatsCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(value, float(number))
             yield family
+        if stats.spec_decoding_enabled:
+            yield from self._spec_decoding(labels, value)
+
+    def _spec_decoding(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+        """vLLM's spec_decode counters (rates are theirs to derive in PromQL; the gauge is
+        the lifetime acceptance rate, for a glance without a query)."""
+        stats = self.stats
+        counters = (
+            ("engine:spec_decode_num_drafts", "Verifications that checked draft tokens.",
+             stats.spec_num_drafts_total),
+            ("engine:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+             stats.spec_num_draft_tokens_total),
+            ("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             stats.spec_num_accepted_tokens_total),
+        )
+        for name, doc, number in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, float(number))
+            yield family
+        per_pos = CounterMetricFamily(
+            "engine:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            labels=[*labels, "position"])
+        for position, accepted in enumerate(stats.spec_num_accepted_tokens_per_pos_total):
+            per_pos.add_metric([*value, str(position)], float(accepted))
+        yield per_pos
+        rate = GaugeMetricFamily(
+            "engine:spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens since the engine started (0-1).", labels=labels)
+        spec = stats.spec_decoding_stats()
+        rate.add_metric(value, spec.acceptance_rate if spec is not None else 0.0)
+        yield rate
 
 
 class ServerMetrics:
