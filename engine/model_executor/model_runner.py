@@ -162,9 +162,12 @@ class ModelRunner:
             self._drop(req_id)
         if self.proposer is not None and (gone or so.scheduled_new_reqs):
             self.proposer.forget(gone | {new.req_id for new in so.scheduled_new_reqs})
-        if self._draft_probs:  # drafts not verified this step are void
-            spec = so.scheduled_spec_decode_tokens
-            self._draft_probs = {r: p for r, p in self._draft_probs.items() if r in spec}
+        if self._draft_probs:  # drafts a step runs without (or a request ends) are void
+            spec, scheduled = so.scheduled_spec_decode_tokens, so.num_scheduled_tokens
+            self._draft_probs = {
+                r: p for r, p in self._draft_probs.items()
+                if r in spec or (r not in scheduled and r not in gone)
+            }
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)  # resumed after preemption: replace stale state
             row = batch.add(

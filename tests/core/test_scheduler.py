@@ -416,6 +416,50 @@ def test_speculative_tokens_are_scheduled_and_rejections_rewound():
     assert so.num_scheduled_tokens == {"b": 2} and so.scheduled_spec_decode_tokens == {"b": [4]}
 
 
+def test_proposed_drafts_are_trimmed_counted_and_dropped_when_they_cannot_run():
+    s = make_scheduler(budget=8, max_model_len=12, num_speculative_tokens=3)
+    add(s, make_request("a", 6, max_tokens=4), make_request("b", 2))
+    so = s.schedule()  # both prefills
+    out = ModelRunnerOutput(["a", "b"], [[7], [7]], spec_token_ids=[[1, 2, 3, 4], [5, 6]])
+    s.update_from_output(so, out)
+    # K=3 caps a's four drafts; max_tokens=4 with one output token leaves room for 2 (the
+    # verification adds a token of its own).
+    assert s.get_request("a").spec_token_ids == [1, 2]
+    assert s.get_request("b").spec_token_ids == [5, 6]
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {"a": [1, 2], "b": [5, 6]}
+    s.update_from_output(so, ModelRunnerOutput(["a", "b"], [[1, 9], [5, 6, 8]]))
+    stats = s.make_stats().spec
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 4, 3)
+    assert stats.num_accepted_tokens_per_pos == [2, 1]
+    assert stats.mean_acceptance_length == pytest.approx(2.5)
+    assert s.make_stats().spec.num_drafts == 0  # an interval count
+    assert make_scheduler().make_stats().spec is None  # speculation off
+
+
+def test_drafts_without_room_this_step_do_not_linger():
+    s = make_scheduler(budget=3, num_speculative_tokens=3)
+    add(s, make_request("a", 2), make_request("b", 2))
+    run_step(s, sample={"a": [7], "b": [7]})
+    s.get_request("a").spec_token_ids = [4, 4]
+    s.get_request("b").spec_token_ids = [5, 5]
+    so = s.schedule()  # a takes 3 tokens (itself + 2 drafts), b gets none
+    assert so.scheduled_spec_decode_tokens == {"a": [4, 4]}
+    assert "b" not in so.num_scheduled_tokens and s.get_request("b").spec_token_ids == [5, 5]
+    s.update_from_output(so, ModelRunnerOutput(["a"], [[4, 1]]))
+    s.get_request("a").spec_token_ids = [6]
+    so = s.schedule()  # a takes 2, b gets 1 token of room: its drafts are dropped
+    assert so.num_scheduled_tokens["b"] == 1 and "b" not in so.scheduled_spec_decode_tokens
+    assert s.get_request("b").spec_token_ids == []
+
+
+def test_lookahead_never_reaches_past_max_model_len():
+    s = make_scheduler(max_model_len=8, num_lookahead_tokens=4)
+    add(s, make_request("a", 7))
+    so = s.schedule()
+    assert len(so.scheduled_new_reqs[0].block_ids) == 2  # 7 tokens + 1 slot, not 4
+
+
 def test_stop_inside_accepted_tokens_truncates_tokens_and_logprobs():
     s = make_scheduler()
     add(s, make_request("a", 6, eos=2, logprobs=1))

@@ -338,6 +338,8 @@ class Scheduler:
             if num_spec > 0:
                 del r.spec_token_ids[num_spec:]
                 spec_tokens[r.request_id] = list(r.spec_token_ids)
+            else:  # no room for its drafts this step: they are dropped, not kept stale
+                r.spec_token_ids.clear()
             r.num_computed_tokens += num_new
         # Constrained requests that sample this step, in the executor's row order.
         structured_ids = [
