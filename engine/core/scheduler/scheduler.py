@@ -387,8 +387,6 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 sampled = []  # mid-prefill: the chunk's last logits are not a next token
             new_token_ids = self._append_tokens(request, sampled)
-            if new_token_ids and request.sampling_params.structured_outputs is not None:
-                self._advance_grammar(request, new_token_ids)
             if proposed is not None and proposed[i] and not request.is_finished:
                 self._set_drafts(request, proposed[i])
             prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
@@ -427,10 +425,15 @@ class Scheduler:
         request.spec_token_ids = list(drafts[: max(0, room)])
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
-        """Accept sampled tokens one by one until a stop rule fires."""
+        """Accept sampled tokens one by one until a stop rule fires or the request's
+        grammar completes (accepted drafts may run past either; the rest is dropped)."""
+        structured = request.sampling_params.structured_outputs is not None
         for n, token in enumerate(sampled, start=1):
             request.append_output_token_ids([token])
-            if check_stop(request, self.max_model_len):
+            check_stop(request, self.max_model_len)
+            if structured:
+                self._advance_grammar(request, [token])
+            if request.is_finished:
                 return sampled[:n]
         return sampled
 
