@@ -18,15 +18,13 @@ verified during the batch.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
-import jsonschema
 import pytest
 
 from engine import SamplingParams
 from engine.structured_output import StructuredOutputsParams
+from tests.helpers.structured import satisfies
 from tests.spec_decode.test_spec_decode_e2e import (
     METHODS,
     Zoo,
@@ -85,19 +83,7 @@ def _constraint(kwargs: dict[str, Any] | None, backend: str) -> StructuredOutput
 
 
 def _validates(so: StructuredOutputsParams, text: str) -> bool:
-    if so.kind == "json":
-        try:
-            jsonschema.validate(json.loads(text), so.json)
-        except (ValueError, jsonschema.ValidationError):
-            return False
-        return True
-    if so.kind == "regex":
-        return re.fullmatch(so.regex, text) is not None
-    if so.kind == "choice":
-        return text in so.choice
-    if so.kind == "grammar":
-        return re.fullmatch(GRAMMAR_RES[so.grammar], text) is not None
-    raise AssertionError(so.kind)
+    return satisfies(so, text, GRAMMAR_RES)
 
 
 def assert_valid(params: list[SamplingParams], outs) -> None:

@@ -8,7 +8,6 @@ its regex or be one of the choices, across seeds, temperatures and both backends
 from __future__ import annotations
 
 import json
-import re
 
 import jsonschema
 import pytest
@@ -17,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.request import FinishReason
 from engine.structured_output import StructuredOutputsParams
+from tests.helpers.structured import satisfies
 
 SCHEMA = {
     "type": "object",
@@ -42,20 +42,6 @@ def llm(llama_dir):
     return _llm(llama_dir)
 
 
-def _satisfies(so: StructuredOutputsParams, text: str) -> bool:
-    if so.kind == "json":
-        try:
-            jsonschema.validate(json.loads(text), so.json)
-        except (ValueError, jsonschema.ValidationError):
-            return False
-        return True
-    if so.kind == "regex":
-        return re.fullmatch(so.regex, text) is not None
-    if so.kind == "choice":
-        return text in so.choice
-    raise AssertionError(so.kind)
-
-
 def _constrained_batch(backend: str) -> list[tuple[str, SamplingParams]]:
     kinds = [
         StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True, backend=backend),
@@ -77,7 +63,7 @@ def _check_outputs(batch, outputs) -> None:
     for (_, params), out in zip(batch, outputs):
         so, completion = params.structured_outputs, out.outputs[0]
         if completion.finish_reason == "stop":
-            assert _satisfies(so, completion.text), (so.kind, completion.text)
+            assert satisfies(so, completion.text), (so.kind, completion.text)
             finished[so.kind] += 1
     # Bounded constraints always finish; the schema is small enough to finish mostly.
     assert finished["regex"] == finished["choice"] == len(batch) // 3, finished
@@ -100,7 +86,7 @@ def test_padded_vocab_model_auto_backend(padded_model_dir):
         completion = out.outputs[0]
         assert max(completion.token_ids) < 416
         if completion.finish_reason == "stop":
-            assert _satisfies(params.structured_outputs, completion.text), completion.text
+            assert satisfies(params.structured_outputs, completion.text), completion.text
 
 
 def test_unconstrained_requests_unchanged_by_constrained_neighbours(llama_dir):
@@ -122,7 +108,7 @@ def test_unconstrained_requests_unchanged_by_constrained_neighbours(llama_dir):
     assert mixed[2].outputs[0].token_ids == alone[1].outputs[0].token_ids
     for out, so in zip((mixed[1], mixed[3], mixed[4]), constrained):
         if out.outputs[0].finish_reason == "stop":
-            assert _satisfies(so.structured_outputs, out.outputs[0].text)
+            assert satisfies(so.structured_outputs, out.outputs[0].text)
 
 
 def test_terminated_grammar_stops_even_with_ignore_eos(llm):

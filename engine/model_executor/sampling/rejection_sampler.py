@@ -30,13 +30,7 @@ import torch
 
 from engine.model_executor.sampling.logprobs import LogprobsTensors, gather_logprobs
 from engine.model_executor.sampling.metadata import SamplingMetadata
-from engine.model_executor.sampling.penalties import apply_batch_penalties
-from engine.model_executor.sampling.sampler import (
-    _as_float32_logits,
-    apply_logits_processors,
-    exponential_race,
-    torch_argmax,
-)
+from engine.model_executor.sampling.sampler import exponential_race, process_logits, torch_argmax
 from engine.model_executor.sampling.state import SpecLayout
 from engine.model_executor.sampling.topk_topp import apply_min_p, apply_top_k_top_p
 
@@ -70,13 +64,7 @@ class RejectionSampler:
     ) -> RejectionOutput:
         """``logits`` ``[N, V]`` (N = sum of k_i + 1); ``draft_probs`` ``[sum k_i, V]``
         (the draft's distribution per draft, request by request) or None (one-hot)."""
-        logits = _as_float32_logits(logits, metadata)
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        apply_logits_processors(logits, metadata, token_bitmask)
-        if metadata.penalties is not None:
-            apply_batch_penalties(logits, metadata.penalties)
+        logits, raw_logprobs = process_logits(logits, metadata, token_bitmask)
         device = logits.device
         draft_rows_np = _draft_rows(layout)
         drafts_np = layout.drafts[layout.drafts >= 0]

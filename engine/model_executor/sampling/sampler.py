@@ -72,19 +72,28 @@ class Sampler:
         metadata: SamplingMetadata,
         token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        logits = _as_float32_logits(logits, metadata)
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        apply_logits_processors(logits, metadata, token_bitmask)
-        if metadata.penalties is not None:
-            apply_batch_penalties(logits, metadata.penalties)
+        logits, raw_logprobs = process_logits(logits, metadata, token_bitmask)
         sampled = sample(logits, metadata, self.argmax)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
             logprobs.num_logprobs = metadata.num_logprobs
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def process_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stages 1-3: the raw logprobs (when some row asks), then processors and penalties
+    in place. Returns the float32 logits and the raw logprobs (or None)."""
+    logits = _as_float32_logits(logits, metadata)
+    raw_logprobs = None
+    if metadata.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    apply_logits_processors(logits, metadata, token_bitmask)
+    if metadata.penalties is not None:
+        apply_batch_penalties(logits, metadata.penalties)
+    return logits, raw_logprobs
 
 
 def apply_logits_processors(
