@@ -165,3 +165,41 @@ def test_triton_matches_cpu_backend_per_architecture(model_dir_factory, cpu_toke
     assert got == expected
     assert launched["unified_attention"] > 0
     assert launched["unified_attention"] == launched["reshape_and_cache"]
+
+
+def test_triton_verifies_speculative_drafts_as_decode_rows(llama_dir, step_log, monkeypatch):
+    """A verification step (each request's token plus its drafts) runs on the Triton
+    backend as one decode row per token; greedy output equals the CPU backend's without
+    speculation."""
+    from engine.model_executor.input_batch import InputBatch
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(prompts, **kwargs):
+        llm = LLM(str(llama_dir), **ENGINE_KWARGS, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.get_spec_decoding_stats()
+
+    # Prompts that hold their own continuation, so prompt lookup has something to propose.
+    seeds = [[7, 8, 9, 10] * 3, [11, 12, 13] * 3]
+    first, _ = run(seeds, attention_backend="cpu")
+    prompts = [seed + cont + seed for seed, cont in zip(seeds, first)]
+    want, _ = run(prompts, attention_backend="cpu")
+    flattened: list[int] = []
+    as_decode_rows = InputBatch.as_decode_rows
+
+    def recording(self, step):
+        rows = as_decode_rows(self, step)
+        flattened.append(len(rows.input_ids))
+        return rows
+
+    monkeypatch.setattr(InputBatch, "as_decode_rows", recording)
+    step_log.query_lens.clear()
+    got, stats = run(prompts, attention_backend="triton", speculative_config=spec)
+    assert got == want
+    assert stats.num_draft_tokens > 0 and flattened
+    # Each verification reached the backend as that many one-token rows.
+    for rows in flattened:
+        assert [1] * rows in step_log.query_lens
