@@ -29,6 +29,22 @@ def parse_speculative_config(
     return parsed
 
 
+def parse_structured_outputs_config(
+    ctx: click.Context | None, param: click.Parameter | None, value: str | None
+) -> dict[str, Any] | None:
+    """``--structured-outputs-config`` text -> the dict EngineArgs takes (checked now)."""
+    if value is None:
+        return None
+    from engine.core.config import StructuredOutputsConfig
+
+    try:
+        parsed = json.loads(value)
+        StructuredOutputsConfig.from_value(parsed)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}: {value!r}", ctx, param) from None
+    return parsed
+
+
 _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--model", default=None, help="HF model directory (default: the demo model)."),
     click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's)."),
@@ -68,6 +84,13 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Speculative decoding as a JSON object (vLLM's), e.g. "
                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
                       "'{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}'; default: off."),
+    click.option("--structured-outputs-config", "structured_outputs_config", default=None,
+                 callback=parse_structured_outputs_config, metavar="JSON",
+                 help="Structured-output defaults for every request as a JSON object "
+                      "(vLLM's), e.g. '{\"backend\": \"xgrammar\", "
+                      "\"disable_any_whitespace\": true}'; keys: backend (auto, xgrammar, "
+                      "llguidance), disable_any_whitespace, disable_fallback, strict (refuse "
+                      "JSON schemas that cannot be enforced in full)."),
 ]
 
 ENGINE_OPTION_NAMES = (
@@ -75,7 +98,7 @@ ENGINE_OPTION_NAMES = (
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
     "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
-    "speculative_config",
+    "speculative_config", "structured_outputs_config",
 )
 
 

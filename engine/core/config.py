@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -188,6 +188,55 @@ class SpeculativeConfig(BaseModel):
         return self.method in ("draft_model", "eagle")
 
 
+class StructuredOutputsConfig(BaseModel):
+    """vLLM's ``--structured-outputs-config`` JSON: engine-wide defaults for every
+    constrained request (a request's own ``backend`` / ``disable_any_whitespace`` /
+    ``strict`` win). ``strict`` is this engine's: refuse a JSON schema the backends cannot
+    enforce in full instead of relaxing the unsupported keywords."""
+
+    model_config = _STRICT
+
+    backend: Literal["auto", "xgrammar", "llguidance"] = "auto"
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    strict: bool = False
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _guidance_alias(cls, value: object) -> object:
+        return "llguidance" if value == "guidance" else value  # vLLM's name
+
+    @classmethod
+    def from_value(cls, value: StructuredOutputsConfig | dict | str | None
+                   ) -> StructuredOutputsConfig:
+        """From a dict, its JSON text, or None (the defaults); ValueError naming the
+        problem."""
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(  # noqa: TRY004 - a bad option value, like every config error
+                "structured_outputs_config must be a JSON object such as "
+                f"'{{\"backend\": \"xgrammar\"}}', got {type(value).__name__}")
+        from pydantic import ValidationError
+
+        try:
+            return cls(**value)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']} (got {e['input']!r})"
+                for e in exc.errors())
+            raise ValueError(f"invalid structured_outputs_config: {problems}") from None
+
+
 class EngineConfig(BaseModel):
     """The resolved configuration the engine runs with."""
 
@@ -199,3 +248,4 @@ class EngineConfig(BaseModel):
     parallel: ParallelConfig
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)

@@ -160,6 +160,7 @@ class EngineCoreProc:
         totals.num_preemptions_total += interval.num_preemptions
         if interval.spec is not None:  # None: speculative decoding is off
             totals.add_spec_interval(interval.spec)
+        totals.structured_output = self.core.structured_output_manager.stats.snapshot()
         return totals
 
     def _request_shutdown(self) -> bool:

@@ -74,6 +74,9 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_num_accepted_tokens_per_pos_total: list[int] = msgspec.field(default_factory=list)
+    # The core's grammar compiles (engine.structured_output.stats.CompileStats.snapshot):
+    # cumulative time histogram and cache hits / misses.
+    structured_output: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

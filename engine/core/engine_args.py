@@ -21,6 +21,7 @@ from engine.core.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 ATTENTION_BACKEND_ENV = "ENGINE_ATTENTION_BACKEND"
@@ -78,6 +79,9 @@ class EngineArgs:
     quantization: str | None = None  # None: the checkpoint's; vLLM's names
     # vLLM's --speculative-config: a dict or its JSON text (engine.spec_decode.config).
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's --structured-outputs-config: a dict or its JSON text ({"backend": ...,
+    # "disable_any_whitespace": ..., "disable_fallback": ..., "strict": ...}).
+    structured_outputs_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -119,6 +123,8 @@ class EngineArgs:
             speculative = resolve_speculative_config(
                 self.speculative_config, files, is_demo_target=self.model is None
             )
+        # A bad structured-outputs config fails here, before a model loads.
+        structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
@@ -161,4 +167,5 @@ class EngineArgs:
                 num_threads=self.num_threads,
             ),
             speculative=speculative,
+            structured_outputs=structured_outputs,
         )

@@ -84,6 +84,16 @@ class StructuredOutputBackend(ABC):
         """A fresh matcher for ``params``; ValueError naming the problem if it cannot
         (``lenient`` as in :meth:`check`)."""
 
+    def build(self, params: StructuredOutputsParams, lenient: bool = False) -> Any:
+        """What :meth:`compile` makes once per constraint and its matchers share (the
+        manager caches it by the normalized constraint); ValueError as in :meth:`compile`."""
+        return params, lenient
+
+    def instantiate(self, artifact: Any) -> Grammar:
+        """A fresh matcher from :meth:`build`'s result."""
+        params, lenient = artifact
+        return self.compile(params, lenient)
+
     def fill_bitmasks(
         self, grammars: Sequence[Grammar], rows: Sequence[int], bitmask: torch.Tensor
     ) -> None:

@@ -1,4 +1,7 @@
-"""JSON Schema walks the backends share: find subschemas, close open objects."""
+"""JSON Schema walks the backends share: find subschemas, close open objects, and the
+meaning-preserving rewrites the enforcement planner uses (merge ``allOf``, inline
+``$ref`` beside other keywords, copy a composition's siblings into its branches, hoist
+references that point inside other subschemas)."""
 
 from __future__ import annotations
 
@@ -135,3 +138,359 @@ def _undeclared_required(node: dict[str, Any]) -> list[str]:
     properties = node.get("properties")
     declared = properties if isinstance(properties, dict) else {}
     return [name for name in required if isinstance(name, str) and name not in declared]
+
+
+# -- lowering compositions (for a backend that enforces allOf / anyOf-with-siblings badly) --
+_MIN_KEYWORDS = frozenset(
+    {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
+)
+_MAX_KEYWORDS = frozenset(
+    {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+)
+_NOT_MERGED = frozenset({"definitions", "$defs"})  # stay where they are (refs point there)
+_LOWERING_BUDGET = 20_000  # merges per schema before the rest is left as it is
+
+
+def resolve_local_ref(root: Any, ref: str) -> Any:
+    """The subschema a ``#...`` JSON pointer names in ``root``, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    from urllib.parse import unquote
+
+    pointer = unquote(ref[1:])
+    node = root
+    if pointer in ("", "/"):
+        return node
+    if not pointer.startswith("/"):
+        return None  # an anchor name: not resolved here
+    for part in pointer[1:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _types(value: Any) -> set[str] | None:
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return set(value)
+    return None
+
+
+def _merge_types(a: Any, b: Any) -> Any:
+    ta, tb = _types(a), _types(b)
+    if ta is None or tb is None:
+        return None
+    both = ta & tb
+    if "integer" in ta and "number" in tb or "number" in ta and "integer" in tb:
+        both.add("integer")
+    if not both:
+        return None
+    order = [t for t in (a if isinstance(a, list) else [a]) if t in both]
+    order += sorted(both - set(order))
+    return order[0] if len(order) == 1 else order
+
+
+def _json_key(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def merge_schemas(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """``a`` and ``b`` as one schema (what ``allOf: [a, b]`` means), and the keywords whose
+    two values could not be combined (``a``'s value is kept for those: the result may then
+    accept more than ``allOf`` does). Neither input is modified."""
+    merged = copy.deepcopy(a)
+    lost: set[str] = set()
+    for key, value in b.items():
+        if key not in merged:
+            merged[key] = copy.deepcopy(value)
+            continue
+        mine = merged[key]
+        if key in ANNOTATIONS or key in _NOT_MERGED or key == "format":
+            continue
+        if _json_key(mine) == _json_key(value):
+            continue
+        if key == "type":
+            both = _merge_types(mine, value)
+            if both is None:
+                lost.add(key)
+            else:
+                merged[key] = both
+        elif key == "required" and isinstance(mine, list) and isinstance(value, list):
+            merged[key] = mine + [n for n in value if n not in mine]
+        elif key == "enum" and isinstance(mine, list) and isinstance(value, list):
+            keys = {_json_key(v) for v in value}
+            common = [v for v in mine if _json_key(v) in keys]
+            if common:
+                merged[key] = common
+            else:
+                lost.add(key)
+        elif key in _MIN_KEYWORDS and _numbers(mine, value):
+            merged[key] = max(mine, value)
+        elif key in _MAX_KEYWORDS and _numbers(mine, value):
+            merged[key] = min(mine, value)
+        elif key == "allOf" and isinstance(mine, list) and isinstance(value, list):
+            merged[key] = mine + copy.deepcopy(value)
+        elif key in ("items", "additionalProperties", "additionalItems", "contains",
+                     "propertyNames", "unevaluatedProperties", "unevaluatedItems"):
+            combined = _merge_subschema(mine, value, lost)
+            if combined is not None:
+                merged[key] = combined
+        elif key == "properties" and isinstance(mine, dict) and isinstance(value, dict):
+            continue  # below, with additionalProperties in view
+        else:
+            lost.add(key)
+    if isinstance(a.get("properties"), dict) or isinstance(b.get("properties"), dict):
+        merged["properties"] = _merge_properties(a, b, lost)
+    return merged, lost
+
+
+def _numbers(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _merge_subschema(a: Any, b: Any, lost: set[str]) -> Any:
+    """Two values of a keyword that holds one subschema (``items`` ...), as one; None to
+    keep ``a``'s (the keyword is then added to ``lost``)."""
+    if a is False or b is False:
+        return False
+    if a is True or a == {}:
+        return copy.deepcopy(b)
+    if b is True or b == {}:
+        return copy.deepcopy(a)
+    if isinstance(a, dict) and isinstance(b, dict):
+        merged, inner = merge_schemas(a, b)
+        lost.update(inner)
+        return merged
+    lost.add("items" if isinstance(a, list) or isinstance(b, list) else "additionalProperties")
+    return None
+
+
+def _merge_properties(a: dict[str, Any], b: dict[str, Any], lost: set[str]) -> dict[str, Any]:
+    """``properties`` of ``allOf: [a, b]``: a name one side declares and the other does not
+    must also pass the other side's ``additionalProperties`` (so ``false`` drops it)."""
+    pa = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+    pb = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+    out: dict[str, Any] = {}
+    for name in list(pa) + [n for n in pb if n not in pa]:
+        parts = []
+        for side, props in ((a, pa), (b, pb)):
+            if name in props:
+                parts.append(props[name])
+            elif not _pattern_property_may_match(side):
+                extra = side.get("additionalProperties", True)
+                parts.append(extra)
+        if any(p is False for p in parts):
+            continue  # one side forbids it: leave it out (additionalProperties decides)
+        schema: Any = True
+        for part in parts:
+            schema = _merge_subschema(schema, part, lost)
+            if schema is None:
+                schema = parts[0]
+        out[name] = {} if schema is True else schema
+    return out
+
+
+def _pattern_property_may_match(side: dict[str, Any]) -> bool:
+    return bool(side.get("patternProperties"))
+
+
+def _deref(root: Any, node: Any, lost: set[str], depth: int = 0) -> Any:
+    """``node`` with a local ``$ref`` at its top replaced by its target merged with the
+    node's other keywords (what ``$ref`` beside siblings means since draft 2019-09)."""
+    if not isinstance(node, dict) or "$ref" not in node or depth > 8:
+        return node
+    target = resolve_local_ref(root, node["$ref"])
+    if not isinstance(target, dict):
+        return node
+    target = _deref(root, target, lost, depth + 1)
+    if "$ref" in target:
+        return node  # a cycle of bare references: leave it to the backend
+    rest = {k: v for k, v in node.items() if k != "$ref"}
+    merged, inner = merge_schemas(target, rest)
+    lost.update(inner)
+    return merged
+
+
+class _RefGraph:
+    """Which local references lie on a cycle of references (inlining one of those could
+    go on forever); each reference's edges are computed once per schema."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self._edges: dict[str, set[str]] = {}
+        self._memo: dict[str, bool] = {}
+
+    def edges(self, ref: str) -> set[str]:
+        if ref not in self._edges:
+            found = set()
+            for node in subschemas(resolve_local_ref(self.root, ref)):
+                inner = node.get("$ref")
+                if isinstance(inner, str) and inner.startswith("#"):
+                    found.add(inner)
+            self._edges[ref] = found
+        return self._edges[ref]
+
+    def recursive(self, ref: str) -> bool:
+        if ref not in self._memo:
+            seen: set[str] = set()
+            stack = list(self.edges(ref))
+            while stack and ref not in seen:
+                current = stack.pop()
+                if current not in seen:
+                    seen.add(current)
+                    stack.extend(self.edges(current))
+            self._memo[ref] = ref in seen
+        return self._memo[ref]
+
+
+def lower_compositions(schema: Any) -> tuple[Any, set[str]]:
+    """A copy of ``schema`` without ``allOf``, without ``$ref`` beside other keywords,
+    with every ``anyOf`` / ``oneOf`` standing alone (the other keywords of its subschema
+    copied into each branch) and tuple ``items`` written as ``prefixItems``: the same
+    meaning in the subset of JSON Schema xgrammar enforces. Also returns the keywords that could not be lowered exactly (``allOf`` when
+    two branches disagree on a keyword ...); the copy keeps the outer value for those.
+    ``oneOf`` is left as it is (only its siblings move)."""
+    if not isinstance(schema, dict):
+        return schema, set()
+    root = copy.deepcopy(schema)
+    lost: set[str] = set()
+    budget = [_LOWERING_BUDGET]
+    refs = _RefGraph(root)
+    for node in subschemas(root):
+        if budget[0] <= 0:
+            break
+        _lower_node(root, node, lost, budget, refs)
+    return root, lost
+
+
+def _lower_node(
+    root: Any, node: dict[str, Any], lost: set[str], budget: list[int], refs: _RefGraph
+) -> None:
+    if isinstance(node.get("items"), list):  # draft 4-2019-09 tuples, as 2020-12 writes them
+        node["prefixItems"] = node.pop("items")
+        if "additionalItems" in node:
+            node["items"] = node.pop("additionalItems")
+    for _ in range(16):  # merged branches may bring compositions of their own
+        budget[0] -= 1
+        ref = node.get("$ref")
+        if (
+            isinstance(ref, str)
+            and ref.startswith("#")
+            and set(node) - {"$ref"} - ANNOTATIONS
+            and not refs.recursive(ref)
+        ):
+            inner: set[str] = set()
+            replaced = _deref(root, node, inner)
+            if inner:
+                lost.add("$ref")
+            _replace(node, replaced)
+            continue
+        branches = node.get("allOf")
+        if isinstance(branches, list):
+            base = {k: v for k, v in node.items() if k != "allOf"}
+            inner = set()
+            for branch in branches:
+                if isinstance(branch, dict):
+                    ref = branch.get("$ref")
+                    if not (isinstance(ref, str) and refs.recursive(ref)):
+                        branch = _deref(root, branch, inner)
+                    base, more = merge_schemas(base, branch)
+                    inner |= more
+                elif branch is False:
+                    base = {"not": {}}
+                    inner.add("allOf")
+            if inner:
+                lost.add("allOf")
+            _replace(node, base)
+            continue
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key)
+            siblings = {
+                k: v for k, v in node.items()
+                if k != key and k not in ANNOTATIONS and k not in _NOT_MERGED
+            }
+            if not isinstance(branches, list) or not siblings:
+                continue
+            if "anyOf" in siblings or "oneOf" in siblings:
+                continue  # both at once: left to the backend's audit
+            new_branches = []
+            inner = set()
+            for branch in branches:
+                if isinstance(branch, dict):
+                    ref = branch.get("$ref")
+                    if not (isinstance(ref, str) and refs.recursive(ref)):
+                        branch = _deref(root, branch, inner)
+                    merged, more = merge_schemas(siblings, branch)
+                    inner |= more
+                    new_branches.append(merged)
+                elif branch is True:
+                    new_branches.append(copy.deepcopy(siblings))
+            if inner:
+                lost.add(key)
+            kept = {k: v for k, v in node.items() if k not in siblings and k != key}
+            kept[key] = new_branches
+            _replace(node, kept)
+            break
+        else:
+            return
+        continue
+
+
+def _replace(node: dict[str, Any], new: dict[str, Any]) -> None:
+    if new is node:
+        return
+    new = dict(new)
+    node.clear()
+    node.update(new)
+
+
+_HOISTED = "engine-ref-"  # names of the $defs entries hoist_deep_refs makes
+
+
+def hoist_deep_refs(schema: Any) -> Any:
+    """A copy in which every local ``$ref`` that points deeper than a definition
+    (``#/properties/a``, ``#/definitions/x/if``) points to a copy of its target under the
+    root's ``$defs`` instead: rewriting a schema (relaxing a keyword, lowering a
+    composition) then never leaves such a reference dangling. Same meaning; ``schema``
+    itself when it has no such reference."""
+    if not isinstance(schema, dict) or not any(
+        _is_deep(n.get("$ref")) for n in subschemas(schema)
+    ):
+        return schema
+    root = copy.deepcopy(schema)
+    names: dict[str, str] = {}
+    defs = root.get("$defs")
+    if not isinstance(defs, dict):
+        defs = root["$defs"] = {}
+    for _ in range(8):  # hoisted targets may hold deep references of their own
+        changed = False
+        for node in list(subschemas(root)):
+            ref = node.get("$ref")
+            if not _is_deep(ref):
+                continue
+            if ref not in names:
+                target = resolve_local_ref(schema, ref)
+                if not isinstance(target, (dict, bool)):
+                    continue  # dangling, or no schema: the backend will say so
+                names[ref] = f"{_HOISTED}{len(names)}"
+                defs[names[ref]] = copy.deepcopy(target)
+            node["$ref"] = f"#/$defs/{names[ref]}"
+            changed = True
+        if not changed:
+            break
+    return root
+
+
+def _is_deep(ref: Any) -> bool:
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return False
+    parts = ref[2:].split("/")
+    return not (len(parts) == 2 and parts[0] in ("definitions", "$defs"))

@@ -10,15 +10,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import llguidance as llg
 import llguidance.hf
 import torch
 
+from engine.structured_output import ecma_regex
 from engine.structured_output.backend import Grammar, StructuredOutputBackend
 from engine.structured_output.json_schema import close_objects, drop_remote_refs
 from engine.structured_output.params import StructuredOutputsParams
+
+
+@lru_cache(maxsize=4096)
+def regex_problem(pattern: str) -> str | None:
+    """Why llguidance cannot enforce the JSON Schema ``pattern`` (ECMA-262), or None."""
+    try:
+        unsupported = ecma_regex.features(pattern)
+    except ValueError as exc:
+        return f"an invalid regex ({exc})"
+    if unsupported:
+        return ", ".join(sorted(unsupported))
+    error = llg.LLMatcher.validate_grammar(
+        llg.LLMatcher.grammar_from_regex(ecma_regex.to_backend(pattern))
+    )
+    return f"a regex llguidance cannot parse ({_describe(error)})" if error else None
 
 
 def grammar_text(params: StructuredOutputsParams, lenient: bool = False) -> str:
@@ -119,11 +136,17 @@ class LLGuidanceBackend(StructuredOutputBackend):
             raise ValueError(f"llguidance: {_describe(error)}")
 
     def compile(self, params: StructuredOutputsParams, lenient: bool = False) -> LLGuidanceGrammar:
-        matcher = llg.LLMatcher(self.ll_tokenizer, grammar_text(params, lenient), log_level=0)
+        return self.instantiate(self.build(params, lenient))
+
+    def build(self, params: StructuredOutputsParams, lenient: bool = False) -> tuple[str, str]:
+        """(kind, grammar text): llguidance parses lazily, per matcher."""
+        return params.kind, grammar_text(params, lenient)
+
+    def instantiate(self, artifact: tuple[str, str]) -> LLGuidanceGrammar:
+        kind, text = artifact
+        matcher = llg.LLMatcher(self.ll_tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise ValueError(
-                f"llguidance cannot compile the {params.kind}: {_describe(matcher.get_error())}"
-            )
+            raise ValueError(f"llguidance cannot compile the {kind}: {_describe(matcher.get_error())}")
         return LLGuidanceGrammar(matcher)
 
     def fill_bitmasks(

@@ -14,6 +14,17 @@ Life of a constrained request in the core:
    :meth:`is_terminated` says when the grammar is complete.
 4. :meth:`remove_request` forgets it (finished, aborted or failed).
 
+Compiles follow :func:`~engine.structured_output.enforcement.plan_constraint`: the
+backend that enforces the constraint in full, else (a JSON schema) the one that enforces
+a relaxed schema with the fewest keywords relaxed, which is logged; a ``strict``
+constraint that would need relaxing fails instead. What a backend builds once per
+constraint (xgrammar's ``CompiledGrammar``, llguidance's grammar text) is cached by the
+normalized constraint; :attr:`StructuredOutputManager.stats` counts hits, misses and
+compile time.
+
+Engine-wide defaults (``--structured-outputs-config``: backend, disable_any_whitespace,
+strict) fill what a request leaves unset.
+
 Nothing here runs for unconstrained requests: no thread pool, tokenizer or backend
 exists until the first constrained request arrives.
 """
@@ -23,6 +34,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -31,8 +44,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.structured_output.backend import Grammar, StructuredOutputBackend
-from engine.structured_output.params import BACKEND_NAMES, StructuredOutputsParams
-from engine.structured_output.selection import backend_class, compile_plan
+from engine.structured_output.enforcement import (
+    CompilePlan,
+    check_strict,
+    constraint_key,
+    plan_constraint,
+)
+from engine.structured_output.params import BACKEND_NAMES, StructuredOutputsParams, with_defaults
+from engine.structured_output.selection import backend_class
+from engine.structured_output.stats import CompileStats
 
 if TYPE_CHECKING:
     from engine.core.config import EngineConfig
@@ -42,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 # () -> (HF tokenizer, token ids that end a sequence); called once, in a worker thread.
 TokenizerLoader = Callable[[], tuple[Any, Sequence[int]]]
+COMPILE_CACHE_SIZE = 256  # compiled constraints kept (least recently used goes first)
 
 
 @dataclass
@@ -60,6 +81,9 @@ class StructuredOutputManager:
         *,
         backend: str = "auto",
         num_threads: int | None = None,
+        disable_any_whitespace: bool = False,
+        strict: bool = False,
+        cache_size: int = COMPILE_CACHE_SIZE,
     ) -> None:
         if backend not in BACKEND_NAMES:
             raise ValueError(
@@ -70,6 +94,12 @@ class StructuredOutputManager:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size  # the logits width
         self.default_backend = backend
+        self.default_disable_any_whitespace = disable_any_whitespace
+        self.default_strict = strict
+        self.stats = CompileStats()  # compile time, compile cache hits / misses
+        self._cache: OrderedDict[tuple[str, bool, str], Any] = OrderedDict()
+        self._cache_size = max(0, cache_size)
+        self._cache_lock = threading.Lock()
         self.num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._load_tokenizer = load_tokenizer
         self._tokenizer: tuple[Any, list[int]] | None = None
@@ -102,7 +132,13 @@ class StructuredOutputManager:
     def from_engine_config(
         cls, config: EngineConfig, vocab_size: int, **kwargs: Any
     ) -> StructuredOutputManager:
-        """The core's manager: the model's tokenizer and EOS ids load on first use."""
+        """The core's manager: the model's tokenizer and EOS ids load on first use; the
+        engine's structured-outputs defaults apply."""
+        so = getattr(config, "structured_outputs", None)
+        if so is not None:
+            kwargs.setdefault("backend", so.backend)
+            kwargs.setdefault("disable_any_whitespace", so.disable_any_whitespace)
+            kwargs.setdefault("strict", so.strict)
 
         def load() -> tuple[Any, list[int]]:
             from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
@@ -224,24 +260,55 @@ class StructuredOutputManager:
 
     # -- internals ------------------------------------------------------------------------
     def _compile(self, params: StructuredOutputsParams) -> tuple[StructuredOutputBackend, Grammar]:
-        """Runs in a worker thread: the first attempt of the plan that compiles wins."""
-        errors = []
-        for name, lenient in compile_plan(params, self.default_backend):
+        """Runs in a worker thread: the plan's backend compiles the plan's constraint (a
+        backend that cannot use this tokenizer is left out and the constraint planned
+        again)."""
+        start = time.perf_counter()
+        params = with_defaults(
+            params, disable_any_whitespace=self.default_disable_any_whitespace,
+            strict=self.default_strict,
+        )
+        excluded: set[str] = set()
+        while True:
+            plan = plan_constraint(params, self.default_backend, excluded, record=False)
+            check_strict(plan, params)
             try:
-                backend = self._backend(name)
-                grammar = backend.compile(params, lenient)
+                backend = self._backend(plan.backend)
             except ValueError as exc:
-                if not lenient:
-                    errors.append(str(exc))
+                excluded.add(plan.backend)
+                logger.warning("structured output backend %s left out: %s", plan.backend, exc)
                 continue
-            if lenient:
-                logger.warning(
-                    "JSON schema compiled by %s on a best-effort basis; not enforced: %s",
-                    name,
-                    "; ".join(errors),
-                )
+            grammar = self._grammar(backend, plan)
+            self.stats.observe(time.perf_counter() - start)
             return backend, grammar
-        raise ValueError("cannot compile the structured output constraint: " + "; ".join(errors))
+
+    def _grammar(self, backend: StructuredOutputBackend, plan: CompilePlan) -> Grammar:
+        """A matcher for ``plan``, from the compile cache when the constraint was seen."""
+        key = (plan.backend, plan.lenient, constraint_key(plan.params))
+        with self._cache_lock:
+            artifact = self._cache.get(key)
+            if artifact is not None:
+                self._cache.move_to_end(key)
+        if artifact is not None:
+            self.stats.hit()
+            return backend.instantiate(artifact)
+        self.stats.miss()
+        artifact = backend.build(plan.params, plan.lenient)
+        grammar = backend.instantiate(artifact)
+        if not plan.enforced:
+            logger.warning(
+                "JSON schema compiled by %s on a best-effort basis; not enforced: %s "
+                "(relaxed keywords; the rest of the schema is enforced)%s",
+                plan.backend,
+                ", ".join(plan.relaxed),
+                f"; why: {'; '.join(plan.reasons)}" if plan.reasons else "",
+            )
+        if self._cache_size:
+            with self._cache_lock:
+                self._cache[key] = artifact
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return grammar
 
     def _backend(self, name: str) -> StructuredOutputBackend:
         with self._lock:

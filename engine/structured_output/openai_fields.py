@@ -11,6 +11,13 @@ Sources, at most one per request (two are a ValueError, as are unknown values):
 - ``tools`` + ``tool_choice`` ``"required"`` or a named function (see
   :mod:`engine.structured_output.tool_choice`), as compact JSON; ``"auto"`` / ``"none"``
   constrain nothing.
+
+``strict``: ``response_format.json_schema.strict``, ``structured_outputs.strict`` and a
+forced function's ``strict`` ask for the schema in full: one the backends cannot enforce
+is then a 400 naming the unsupported keywords, where otherwise those keywords are relaxed
+(and named in the ``x-structured-output-relaxed`` response header). Left out, the
+server's ``--structured-outputs-config`` ``strict`` default applies
+(:func:`apply_server_defaults`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from typing import Any
 
 from engine.structured_output.params import StructuredOutputsParams
 from engine.structured_output.tool_choice import tool_choice_schema
+
+# Response header naming the JSON Schema keywords a response's constraint relaxed.
+RELAXED_HEADER = "x-structured-output-relaxed"
 
 _GUIDED_KINDS = {
     "guided_json": "json",
@@ -65,7 +75,8 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
     if tool_schema is not None:
         # Compact JSON: the call format is ours (the client sees tool_calls, not this
         # text), and free whitespace lets a weak model pad forever.
-        so = StructuredOutputsParams(json=tool_schema, disable_any_whitespace=True)
+        so = StructuredOutputsParams(json=tool_schema, disable_any_whitespace=True,
+                                     strict=_forced_tools_strict(tools, tool_choice))
         found.append(("tool_choice", so))
     if len(found) > 1:
         raise ValueError(
@@ -99,7 +110,10 @@ def _from_response_format(response_format: Any) -> StructuredOutputsParams | Non
         schema = spec.get("schema", spec.get("json_schema"))
         if schema is None:
             raise ValueError("response_format.json_schema needs a 'schema'")
-        return StructuredOutputsParams(json=schema)
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
+        return StructuredOutputsParams(json=schema, strict=strict)
     if kind == "structural_tag":
         tag = {k: v for k, v in response_format.items() if k != "type"}
         return StructuredOutputsParams(structural_tag=json.dumps(tag))
@@ -107,6 +121,41 @@ def _from_response_format(response_format: Any) -> StructuredOutputsParams | Non
         f"response_format type {kind!r} is not supported; use 'text', 'json_object', "
         "'json_schema' or 'structural_tag'"
     )
+
+
+def _forced_tools_strict(tools: Any, tool_choice: Any) -> bool | None:
+    """True when a function the request forces says ``strict: true``; else None."""
+    functions = [t.get("function") for t in tools or () if isinstance(t, Mapping)]
+    functions = [f for f in functions if isinstance(f, Mapping)]
+    if isinstance(tool_choice, Mapping):
+        wanted = (tool_choice.get("function") or {}).get("name")
+        functions = [f for f in functions if f.get("name") == wanted]
+    return True if any(f.get("strict") is True for f in functions) else None
+
+
+def apply_server_defaults(params: StructuredOutputsParams | None,
+                          config: Any) -> StructuredOutputsParams | None:
+    """``params`` with the server's ``--structured-outputs-config`` defaults (a
+    :class:`~engine.core.config.StructuredOutputsConfig`, or None) filling what the
+    request left unset: backend, disable_any_whitespace, strict, disable_fallback."""
+    if params is None or config is None:
+        return params
+    from engine.structured_output.params import with_defaults
+
+    params = with_defaults(
+        params,
+        backend=getattr(config, "backend", None),
+        disable_any_whitespace=getattr(config, "disable_any_whitespace", None),
+        strict=getattr(config, "strict", None),
+    )
+    if getattr(config, "disable_fallback", False) and not params.disable_fallback:
+        params = params.derive(disable_fallback=True)
+    return params
+
+
+def relaxed_headers(keywords: tuple[str, ...] | None) -> dict[str, str]:
+    """The response headers for a constraint that relaxed ``keywords`` (none if none)."""
+    return {RELAXED_HEADER: ",".join(keywords)} if keywords else {}
 
 
 def _from_guided(name: str, value: Any) -> StructuredOutputsParams:

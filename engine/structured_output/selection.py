@@ -68,21 +68,20 @@ def compile_plan(params: StructuredOutputsParams, default: str = "auto") -> list
 
 
 def check_compilable(params: StructuredOutputsParams, default: str = "auto") -> tuple[str, bool]:
-    """The first ``(backend, lenient)`` of :func:`compile_plan` that can compile
-    ``params``, checked without a tokenizer; ValueError naming every backend's reason
-    (from the strict attempts) when none can."""
-    errors = []
-    for name, lenient in compile_plan(params, default):
-        try:
-            backend_class(name).check(params, lenient)
-            return name, lenient
-        except ValueError as exc:
-            if not lenient:
-                errors.append(str(exc))
-    raise ValueError("invalid structured output constraint: " + "; ".join(errors))
+    """``(backend, relaxed)`` of the constraint's
+    :func:`~engine.structured_output.enforcement.plan_constraint`, checked without a
+    tokenizer: ``relaxed`` when the backend enforces a relaxed JSON schema (or its own best
+    effort). ValueError naming every backend's reason when none can compile it, and
+    (NotEnforceableError) naming the unsupported keywords when ``params.strict`` asks for
+    the schema in full and no backend enforces it."""
+    from engine.structured_output.enforcement import check_strict, plan_constraint
+
+    plan = plan_constraint(params, default, record=False)
+    check_strict(plan, params)
+    return plan.backend, not plan.enforced
 
 
-def check_regex_syntax(regex: str) -> None:
+def check_regex_syntax(regex: str, shown: str | None = None) -> None:
     """ValueError unless some installed backend parses ``regex`` (their dialects, which
     are close to ECMAScript/Rust, differ from Python's ``re``)."""
     errors = []
@@ -92,4 +91,7 @@ def check_regex_syntax(regex: str) -> None:
             return
         except ValueError as exc:
             errors.append(str(exc))
-    raise ValueError(f"invalid structured_outputs.regex={regex!r}: " + "; ".join(errors))
+    raise ValueError(
+        f"invalid structured_outputs.regex={shown if shown is not None else regex!r}: "
+        + "; ".join(errors)
+    )

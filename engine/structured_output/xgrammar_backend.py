@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
+from engine.structured_output import ecma_regex
 from engine.structured_output.backend import (
     Grammar,
     StructuredOutputBackend,
@@ -21,6 +23,7 @@ from engine.structured_output.backend import (
     set_token_bits,
 )
 from engine.structured_output.json_schema import (
+    ANNOTATIONS,
     composed_with_siblings,
     declare_required,
     subschemas,
@@ -59,20 +62,58 @@ UNENFORCED_KEYWORDS = frozenset(
 )
 # anyOf beside other constraints of the same subschema: xgrammar takes the branches alone.
 _COMPOSITIONS = frozenset({"anyOf"})
-# xgrammar drops look-around assertions from a pattern (with a warning on stderr).
-_LOOK_AROUND = ("(?=", "(?!", "(?<=", "(?<!")
+# Length limits xgrammar drops when the same subschema has a pattern (it warns on stderr).
+_LENGTHS_BESIDE_PATTERN = ("minLength", "maxLength")
 
 
 def unenforced_features(schema: Any) -> set[str]:
-    """What of ``schema`` xgrammar would accept without enforcing it."""
-    found = used_keywords(schema, UNENFORCED_KEYWORDS)
-    found |= {f"{k} beside other keywords" for k in composed_with_siblings(schema, _COMPOSITIONS)}
-    if any(
-        isinstance(n.get("pattern"), str) and any(a in n["pattern"] for a in _LOOK_AROUND)
-        for n in subschemas(schema)
-    ):
-        found.add("pattern with look-around")
+    """What of ``schema`` xgrammar would accept without enforcing it (descriptions)."""
+    return set(audit(schema).values())
+
+
+def unenforced_keywords(schema: Any) -> set[str]:
+    """The JSON Schema keywords of ``schema`` xgrammar would not enforce as written."""
+    return set(audit(schema))
+
+
+def audit(schema: Any) -> dict[str, str]:
+    """keyword -> why xgrammar does not enforce it, for every such keyword of ``schema``."""
+    found = {k: k for k in used_keywords(schema, UNENFORCED_KEYWORDS)}
+    if "$ref" in found:
+        found["$ref"] = "$ref to another document"
+    for k in composed_with_siblings(schema, _COMPOSITIONS):
+        found[k] = f"{k} beside other keywords"
+    for node in subschemas(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and set(node) - {"$ref"} - ANNOTATIONS:
+            found["$ref"] = "$ref beside other keywords"
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            problem = regex_problem(pattern)
+            if problem:
+                found["pattern"] = f"pattern with {problem}"
+            for key in _LENGTHS_BESIDE_PATTERN:
+                if key in node:
+                    found[key] = f"{key} beside pattern"
     return found
+
+
+@lru_cache(maxsize=4096)
+def regex_problem(pattern: str) -> str | None:
+    """Why xgrammar cannot enforce the JSON Schema ``pattern`` (ECMA-262), or None."""
+    try:
+        unsupported = ecma_regex.features(pattern)
+    except ValueError as exc:
+        return f"an invalid regex ({exc})"
+    if unsupported:
+        return ", ".join(sorted(unsupported))
+    if ecma_regex.uses_properties(pattern):
+        return ecma_regex.PROPERTY_ESCAPE  # xgrammar reads [\p{L}] as the letters p { L }
+    try:
+        xgr.Grammar.from_regex(ecma_regex.to_backend(pattern))
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError for syntax
+        return f"a regex xgrammar cannot parse ({describe_error(exc)})"
+    return None
 
 
 # Character classes of xgrammar's JSON strings, as its grammar printer writes them, and
@@ -157,6 +198,7 @@ class XgrammarBackend(StructuredOutputBackend):
 
     @classmethod
     def check_regex(cls, regex: str) -> None:
+        _refuse_property_escapes(regex)
         try:
             xgr.Grammar.from_regex(regex)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError for syntax
@@ -164,9 +206,14 @@ class XgrammarBackend(StructuredOutputBackend):
 
     # -- compile --------------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams, lenient: bool = False) -> XgrammarGrammar:
-        compiled = _convert(params, self.compiler, "compile", lenient)
-        matcher = xgr.GrammarMatcher(compiled)
-        return XgrammarGrammar(matcher, self.stop_token_ids)
+        return self.instantiate(self.build(params, lenient))
+
+    def build(self, params: StructuredOutputsParams, lenient: bool = False) -> Any:
+        """The ``CompiledGrammar`` (token masks precomputed; shared by its matchers)."""
+        return _convert(params, self.compiler, "compile", lenient)
+
+    def instantiate(self, artifact: Any) -> XgrammarGrammar:
+        return XgrammarGrammar(xgr.GrammarMatcher(artifact), self.stop_token_ids)
 
     def fill_bitmasks(
         self, grammars: Sequence[Grammar], rows: Sequence[int], bitmask: torch.Tensor
@@ -237,6 +284,7 @@ def _convert(params: StructuredOutputsParams, compiler: Any, verb: str, lenient:
             ebnf = json_schema_ebnf(schema, not params.disable_any_whitespace)
             return compiler.compile_grammar(ebnf)
         if kind == "regex":
+            _refuse_property_escapes(params.regex)
             return compiler.compile_regex(params.regex)
         if kind == "choice":
             return compiler.compile_grammar(choice_as_ebnf(params.choice))
@@ -255,6 +303,19 @@ def _convert(params: StructuredOutputsParams, compiler: Any, verb: str, lenient:
                 ]
                 return compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
             return compiler.compile_structural_tag(params.structural_tag)
+    except ValueError as exc:
+        raise ValueError(f"xgrammar cannot {verb} the {kind}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - native errors arrive as RuntimeError & co
         raise ValueError(f"xgrammar cannot {verb} the {kind}: {describe_error(exc)}") from None
     raise ValueError(f"xgrammar does not support structured output kind {kind!r}")
+
+
+def _refuse_property_escapes(regex: str) -> None:
+    """xgrammar refuses a bare ``\\p{L}`` but reads ``[\\p{L}]`` as the characters
+    ``p { L }``: refuse both."""
+    try:
+        properties = ecma_regex.uses_properties(regex)
+    except ValueError:
+        properties = "\\p{" in regex or "\\P{" in regex
+    if properties:
+        raise ValueError("Unicode property escapes (\\p{...}) are not supported")

@@ -27,7 +27,12 @@ class _StubCore:
     num_kv_blocks = 64
 
     def __init__(self, intervals: list[SchedulerStats]) -> None:
+        from types import SimpleNamespace
+
+        from engine.structured_output.stats import CompileStats
+
         self.intervals = list(intervals)
+        self.structured_output_manager = SimpleNamespace(stats=CompileStats())
 
     def get_stats(self) -> SchedulerStats:
         return self.intervals.pop(0)

@@ -80,8 +80,8 @@ def test_failed_compile_is_reported_once(manager):
 
 
 def test_auto_falls_back_when_xgrammar_cannot(manager, tokenizer):
-    # xgrammar would ignore the maxLength inside allOf; llguidance enforces it.
-    schema = {"allOf": [{"type": "string"}, {"maxLength": 2}]}
+    # xgrammar would ignore the maxLength beside a pattern; llguidance enforces it.
+    schema = {"allOf": [{"type": "string"}, {"maxLength": 2, "pattern": "^[a-z]*$"}]}
     manager.add_request("u", StructuredOutputsParams(json=schema))
     _wait_ready(manager, "u")
     assert type(manager._entries["u"].backend).__name__ == "LLGuidanceBackend"

@@ -24,7 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
                     "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
                 }
             },
-            StructuredOutputsParams(json=SCHEMA),
+            StructuredOutputsParams(json=SCHEMA, strict=True),
         ),
         ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
         ({"guided_json": '{"type": "string"}'}, StructuredOutputsParams(json={"type": "string"})),

@@ -12,6 +12,14 @@ Two sources:
 * Per-request latencies and token counts are observed by the serving layer when a request
   ends (:meth:`ServerMetrics.observe_request`), from the ``RequestMetrics`` timestamps the
   output processor records.
+* Structured outputs: ``engine:structured_output_compile_seconds{stage}`` (a histogram)
+  and ``engine:structured_output_cache_hits{stage}`` / ``..._cache_misses{stage}``, where
+  stage ``check`` is this process's tokenizer-free compile of each distinct constraint
+  (JSON Schema to grammar, checked by the backend; cached by the normalized constraint)
+  and stage ``compile`` the engine core's tokenizer-bound compile and its grammar cache
+  (exported when the core's stats carry them); ``engine:structured_output_requests
+  {enforcement}`` (``full`` / ``relaxed``) and ``engine:structured_output_relaxed_keywords
+  {keyword}`` count constrained requests and the JSON Schema keywords they relaxed.
 
 Names follow vLLM's with an ``engine:`` prefix (``engine:num_requests_running`` ...).
 """
@@ -23,7 +31,12 @@ import logging
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from engine.core.core_protocol import EngineCoreStats
@@ -112,6 +125,53 @@ class _CoreStatsCollector(Collector):
         yield rate
 
 
+class _StructuredOutputCollector(Collector):
+    """Grammar compile time and cache counters: this process's (stage ``check``) and, when
+    the engine core's stats carry a ``structured_output`` snapshot, the core's (stage
+    ``compile``); both are :meth:`engine.structured_output.stats.CompileStats.snapshot`."""
+
+    def __init__(self, model_name: str, core: _CoreStatsCollector) -> None:
+        self.model_name = model_name
+        self.core = core
+
+    def snapshots(self) -> list[tuple[str, dict]]:
+        from engine.structured_output.enforcement import CHECK_STATS
+
+        found = [("check", CHECK_STATS.snapshot())]
+        core = getattr(self.core.stats, "structured_output", None)
+        if isinstance(core, dict) and core:
+            found.append(("compile", core))
+        return found
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "stage"]
+        seconds = HistogramMetricFamily(
+            "engine:structured_output_compile_seconds",
+            "Time to compile a structured-output constraint (stage check: the server's "
+            "tokenizer-free compile of a new constraint; compile: the engine core's).",
+            labels=labels)
+        hits = CounterMetricFamily(
+            "engine:structured_output_cache_hits",
+            "Structured-output constraints found compiled in the cache.", labels=labels)
+        misses = CounterMetricFamily(
+            "engine:structured_output_cache_misses",
+            "Structured-output constraints compiled anew (not in the cache).", labels=labels)
+        for stage, snap in self.snapshots():
+            values = [self.model_name, stage]
+            buckets = [(_le(le), float(n)) for le, n in snap.get("buckets", [])]
+            buckets.append(("+Inf", float(snap.get("count", 0))))
+            seconds.add_metric(values, buckets, float(snap.get("sum", 0.0)))
+            hits.add_metric(values, float(snap.get("hits", 0)))
+            misses.add_metric(values, float(snap.get("misses", 0)))
+        yield seconds
+        yield hits
+        yield misses
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
 class ServerMetrics:
     """The registry of one app and the observations the serving layer makes."""
 
@@ -142,6 +202,18 @@ class ServerMetrics:
             labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)  # export zeros from the start
+        self.registry.register(_StructuredOutputCollector(model_name, self._core))
+        self.structured_requests = Counter(
+            "engine:structured_output_requests",
+            "Constrained requests by how their constraint is enforced (full, or relaxed: "
+            "JSON Schema keywords no backend enforces were left out).",
+            ["model_name", "enforcement"], registry=self.registry)
+        self.relaxed_keywords = Counter(
+            "engine:structured_output_relaxed_keywords",
+            "JSON Schema keywords relaxed in constrained requests (one per request).",
+            ["model_name", "keyword"], registry=self.registry)
+        for enforcement in ("full", "relaxed"):
+            self.structured_requests.labels(model_name, enforcement)
 
     # -- per request ----------------------------------------------------------------------
     def observe_request(self, metrics: RequestMetrics | None, prompt_tokens: int,
@@ -160,6 +232,16 @@ class ServerMetrics:
             self.e2e.observe(max(metrics.finished_time - metrics.arrival_time, 0.0))
         for gap in metrics.inter_token_latencies:
             self.itl.observe(gap)
+
+    def observe_structured_output(self, relaxed: tuple[str, ...] | None) -> None:
+        """Record one accepted constrained request (``relaxed``: the keywords its JSON
+        schema was compiled without; empty: enforced in full; None: no constraint)."""
+        if relaxed is None:
+            return
+        self.structured_requests.labels(self.model_name,
+                                        "relaxed" if relaxed else "full").inc()
+        for keyword in relaxed:
+            self.relaxed_keywords.labels(self.model_name, keyword).inc()
 
     # -- scrape ---------------------------------------------------------------------------
     async def refresh(self, engine) -> None:

@@ -5,8 +5,12 @@ first, then content deltas, then an empty delta carrying ``finish_reason``; with
 ``stream_options.include_usage`` a last chunk with no choices carries the usage.
 
 Structured output (``response_format``, ``guided_*``, ``structured_outputs``) constrains
-every choice. With ``tools`` (and ``tool_choice`` other than "none") the tools go to the
-chat template and each choice's text is split into ``content`` and ``tool_calls`` by a
+every choice; the server's ``--structured-outputs-config`` fills what the request leaves
+unset. A JSON schema compiled with keywords relaxed (ones no backend enforces) names them
+in the ``x-structured-output-relaxed`` response header; with ``strict`` it is a 400.
+
+With ``tools`` (and ``tool_choice`` other than "none") the tools go to the chat template
+and each choice's text is split into ``content`` and ``tool_calls`` by a
 :class:`ToolCallHandler`: "required" and a named function are enforced by a JSON schema,
 "auto" is read by the server's tool-call parser (``--tool-call-parser``). Streamed tool
 calls follow OpenAI's shape: a call's first piece carries its id, type and name, later
@@ -55,7 +59,12 @@ from engine.entrypoints.openai.serving_base import (
     structured_output_failure,
     token_text,
 )
-from engine.entrypoints.openai.serving_completion import serialize_prompt_logprobs
+from engine.entrypoints.openai.serving_completion import (
+    serialize_prompt_logprobs,
+    server_structured_outputs,
+)
+from engine.structured_output.enforcement import relaxed_keywords
+from engine.structured_output.openai_fields import relaxed_headers
 from engine.structured_output.tool_calls import ToolCallStream
 from engine.structured_output.tool_choice import ToolCallHandler
 
@@ -91,6 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         self.log_ignored_fields(request, "/v1/chat/completions")
         _reject_unsupported(request)
         structured = self.structured_outputs(request)  # validates tools / tool_choice too
+        structured = server_structured_outputs(structured, self.engine)
         handler = self._tool_handler(request)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true",
@@ -111,7 +121,8 @@ class OpenAIServingChat(OpenAIServing):
             requested, param = request.max_completion_tokens, "max_completion_tokens"
         else:
             requested, param = request.max_tokens, "max_tokens"
-        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, param, minimum=1)
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, param, minimum=1,
+                                             prompt_param="messages")
         options = _Options(
             request_id=random_id("chatcmpl"), created=now_s(),
             n=1 if request.n is None else request.n,
@@ -126,12 +137,17 @@ class OpenAIServingChat(OpenAIServing):
             params = handler.adjust_params(params)
         job = GenerationJob(0, options.request_id, prompt, params, request.priority,
                             request.cache_salt)
+        relaxed = relaxed_keywords(params.structured_outputs)  # the 400 is validate_job's
         self.validate_job(job, request)
+        headers = relaxed_headers(relaxed)
+        self.metrics.observe_structured_output(relaxed)
         if request.stream:
             stream_options = request.stream_options
             include_usage = bool(stream_options and stream_options.include_usage)
             continuous = bool(stream_options and stream_options.continuous_usage_stats)
-            return EventStreamResponse(self._stream(job, options, include_usage, continuous))
+            streamed = EventStreamResponse(self._stream(job, options, include_usage, continuous))
+            streamed.headers.update(headers)
+            return streamed
         output = await run_until_disconnect(self.collect(job), receive)
         choices = [self._choice(c, options)
                    for c in sorted(output.outputs, key=lambda c: c.index)]
@@ -144,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                             total_tokens=prompt_tokens + completion_tokens),
             prompt_logprobs=(serialize_prompt_logprobs(job.prompt_logprobs)
                              if request.prompt_logprobs is not None else None))
-        return JSONResponse(response.model_dump(mode="json"))
+        return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
     def _tool_handler(self, request: ChatCompletionRequest) -> ToolCallHandler | None:
         """The request's tool handling; None when there are no tools or they are off."""

@@ -11,7 +11,9 @@ tokens, the logprobs and the usage; the finish reason is "length".
 
 Structured output (``response_format``, ``guided_*``, ``structured_outputs``) constrains
 every choice; a constraint the engine core fails on is a 400 (or an in-band error event
-once streaming).
+once streaming). The server's ``--structured-outputs-config`` fills what the request
+leaves unset; a JSON schema compiled with keywords relaxed names them in the
+``x-structured-output-relaxed`` response header (with ``strict``: a 400 instead).
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ from engine.entrypoints.openai.serving_base import (
     structured_output_failure,
     token_text,
 )
+from engine.structured_output.enforcement import relaxed_keywords
+from engine.structured_output.openai_fields import apply_server_defaults, relaxed_headers
+from engine.structured_output.params import StructuredOutputsParams
+
+
+def server_structured_outputs(params: StructuredOutputsParams | None,
+                              engine: Any) -> StructuredOutputsParams | None:
+    """A request's constraint with the server's ``--structured-outputs-config`` defaults."""
+    config = getattr(getattr(engine, "config", None), "structured_outputs", None)
+    return apply_server_defaults(params, config)
 
 
 @dataclass
@@ -90,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if options.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        structured = self.structured_outputs(request)
+        structured = server_structured_outputs(self.structured_outputs(request), self.engine)
+        relaxed = None
         jobs = []
         for i, prompt in enumerate(await self._prompts(request)):
             max_tokens = self.resolve_max_tokens(len(prompt.token_ids), request.max_tokens,
@@ -101,8 +114,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                           structured_outputs=structured)
             job = GenerationJob(i, f"{options.request_id}-{i}", prompt, params,
                                 request.priority, request.cache_salt)
+            if i == 0:  # one constraint for every prompt; the 400 is validate_job's
+                relaxed = relaxed_keywords(params.structured_outputs)
             self.validate_job(job, request)
             jobs.append(job)
+        headers = relaxed_headers(relaxed)
+        self.metrics.observe_structured_output(relaxed)
         if options.echo:
             for job in jobs:
                 if job.prompt.text is None:
@@ -111,9 +128,12 @@ class OpenAIServingCompletion(OpenAIServing):
             stream_options = request.stream_options
             include_usage = bool(stream_options and stream_options.include_usage)
             continuous = bool(stream_options and stream_options.continuous_usage_stats)
-            return EventStreamResponse(self._stream(jobs, options, include_usage, continuous))
+            streamed = EventStreamResponse(self._stream(jobs, options, include_usage, continuous))
+            streamed.headers.update(headers)
+            return streamed
         outputs = await run_until_disconnect(self.collect_all(jobs), receive)
-        return JSONResponse(self._response(jobs, outputs, options).model_dump(mode="json"))
+        return JSONResponse(self._response(jobs, outputs, options).model_dump(mode="json"),
+                            headers=headers)
 
     # -- prompts --------------------------------------------------------------------------
     async def _prompts(self, request: CompletionRequest) -> list[PromptInput]:
