@@ -21,6 +21,8 @@ from engine.structured_output.tool_calls import tool_parser_names
               help="The model name clients send and see (default: MODEL, or engine-demo).")
 @click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=8 * 1024 * 1024,
               show_default=True, help="Larger request bodies get a 413.")
+@click.option("--max-request-json-depth", type=click.IntRange(min=1), default=64,
+              show_default=True, help="Request bodies nested deeper get a 400.")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=None,
               help="Reject requests asking for more max_tokens (default: no limit beyond "
                    "max_model_len).")
@@ -32,13 +34,31 @@ from engine.structured_output.tool_calls import tool_parser_names
 @click.option("--timeout-graceful-shutdown", type=click.IntRange(min=0), default=10,
               show_default=True,
               help="Seconds in-flight requests may keep running after SIGTERM / SIGINT.")
+@click.option("--restart-engine-core", type=click.IntRange(min=0), default=0, show_default=True,
+              help="When the engine-core process dies, start a fresh one up to N times "
+                   "(in-flight requests get errors; new ones are served again). After that "
+                   "(or with 0) the server exits with code 1, as vLLM's does.")
+@click.option("--keep-alive-on-engine-death", is_flag=True,
+              envvar="ENGINE_KEEP_ALIVE_ON_ENGINE_DEATH", show_envvar=True,
+              help="Once the engine core is dead for good, keep the server up answering "
+                   "503 instead of exiting.")
+@click.option("--max-num-waiting", type=click.IntRange(min=0), default=None,
+              help="At most max_num_seqs + N generation requests are admitted at once; "
+                   "more get a 429 with Retry-After (default: no limit).")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds a generation request may take before its work is aborted and it "
+                   "gets a 408; a request's x-request-timeout header overrides it (default: "
+                   "none).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
 def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               served_model_name: str | None, max_request_body_bytes: int,
+              max_request_json_depth: int,
               max_tokens_limit: int | None, max_logprobs: int, tool_call_parser: str,
-              timeout_graceful_shutdown: int,
+              timeout_graceful_shutdown: int, restart_engine_core: int,
+              keep_alive_on_engine_death: bool, max_num_waiting: int | None,
+              request_timeout: float | None,
               log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
     """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
     OpenAI-compatible HTTP API."""
@@ -63,11 +83,19 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
     settings = ServerSettings(
         served_model_name=engine.model_name, api_key=api_key or None,
         max_request_body_bytes=max_request_body_bytes, max_tokens_limit=max_tokens_limit,
+        max_request_json_depth=max_request_json_depth,
         max_logprobs=max_logprobs, tool_call_parser=tool_call_parser, host=host, port=port,
+        restart_engine_core=restart_engine_core,
+        exit_on_engine_death=not keep_alive_on_engine_death,
+        max_num_waiting=max_num_waiting, request_timeout=request_timeout,
     )
     try:
-        run_server(engine, settings, log_level=log_level,
-                   access_log=not disable_uvicorn_access_log,
-                   timeout_graceful_shutdown=timeout_graceful_shutdown)
+        exit_code = run_server(engine, settings, log_level=log_level,
+                               access_log=not disable_uvicorn_access_log,
+                               timeout_graceful_shutdown=timeout_graceful_shutdown)
     finally:
         engine.shutdown()
+    if exit_code:
+        logging.getLogger("engine.server").error("Exiting with code %d (the engine core died)",
+                                                 exit_code)
+        raise SystemExit(exit_code)

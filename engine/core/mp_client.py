@@ -427,7 +427,22 @@ class AsyncMPClient:
     def shutdown(self) -> None:
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
+        self._detach_socket()
         self.proc.shutdown()
+
+    def _detach_socket(self) -> None:
+        """Make the loop stop watching the asyncio wrapper's fd before ``proc`` closes the
+        socket: the next core's socket (a restart) may get the same fd number, and a stale
+        registration would hide its events from the loop."""
+        sock, loop, self._socket = self._socket, self._loop, None
+        if sock is None or loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            sock._clear_io_state()  # what zmq.asyncio's close() does, minus closing
 
 
 def _unwrap(result: wire.UtilityResult, method: str) -> Any:

@@ -9,13 +9,16 @@ the core, and hands every output to its request's :class:`RequestOutputCollector
 disconnect) aborts its request in the core, freeing its KV blocks.
 
 If the core dies, every in-flight ``generate`` raises :class:`EngineDeadError` and new
-requests fail at once.
+requests fail at once, until ``restart_core`` starts a fresh core (the server's
+``--restart-engine-core``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -45,8 +48,10 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_name = config.model.served_model_name or config.model.model
         self.max_model_len = config.scheduler.max_model_len
+        self._startup_timeout_s = startup_timeout_s
         # Blocks until the core has loaded the model (or raises EngineStartupError).
         self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        self.num_core_restarts = 0
         self._handler: asyncio.Task | None = None
         self._handler_loop: asyncio.AbstractEventLoop | None = None
         self._error: EngineDeadError | None = None
@@ -67,6 +72,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return not self._closed and not self.errored
+
+    @property
+    def closed(self) -> bool:
+        """True once ``shutdown`` was called (a dead core alone does not close the engine)."""
+        return self._closed
+
+    @property
+    def core_pid(self) -> int:
+        """The process id of the current engine core."""
+        return self.client.proc.ready.pid
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the core has died or the engine was shut down."""
@@ -180,6 +195,51 @@ class AsyncLLM:
         self._error = error
         self.output_processor.propagate_error(error)
 
+    # -- core death and restart -------------------------------------------------------------
+    def fail_in_flight(self) -> EngineDeadError | None:
+        """If the core has died: make sure every in-flight request has its EngineDeadError
+        now (the output handler may not have noticed yet, or may never run: no request was
+        made) and return the error; None while the core lives."""
+        if not self.errored:
+            return None
+        error = self._error or self.client.dead or self._dead_error()
+        self._fail(error)  # idempotent: a collector keeps the first error
+        return error
+
+    async def restart_core(self) -> int:
+        """Replace a dead core by a fresh one; return its pid.
+
+        In-flight requests get their EngineDeadError first; requests made while the new
+        core loads still fail with it (a 503), later ones are served by the new core.
+        Raises EngineStartupError (the engine stays dead) if the new core cannot start,
+        and RuntimeError on a live core.
+        """
+        error = self.fail_in_flight()
+        if error is None:
+            raise RuntimeError("the engine core is alive; refusing to restart it")
+        if self._closed:
+            raise error
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self._handler = None
+        # Forget the dead core's requests: their consumers hold the error already.
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client.shutdown()  # reaps the old process, closes its sockets and run dir
+        started = time.monotonic()
+        client = await _in_thread(
+            lambda: AsyncMPClient(self.config, startup_timeout_s=self._startup_timeout_s)
+        )
+        if self._closed:  # shut down while the new core was loading
+            client.shutdown()
+            raise EngineDeadError("the engine has been shut down")
+        self.client = client
+        self._error = None
+        self.num_core_restarts += 1
+        logger.info(
+            "engine core restarted in %.1f s (pid %d)", time.monotonic() - started, self.core_pid
+        )
+        return self.core_pid
+
     # -- teardown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the core process; in-flight requests fail with EngineDeadError."""
@@ -190,3 +250,44 @@ class AsyncLLM:
             self._handler.cancel()
         self.output_processor.propagate_error(EngineDeadError("the engine has been shut down"))
         self.client.shutdown()
+
+
+async def _in_thread(build: Any) -> Any:
+    """Run the blocking ``build()`` in a daemon thread (not the loop's executor, so that a
+    server stopping mid-restart does not wait for a model load); if the awaiting task is
+    cancelled, whatever ``build`` returns later is shut down."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+    cancelled = threading.Event()
+
+    def deliver(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            if exc is None and hasattr(result, "shutdown"):
+                result.shutdown()
+            return
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc)
+
+    def run() -> None:
+        try:
+            result, exc = build(), None
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting task
+            result, exc = None, error
+        if cancelled.is_set() or loop.is_closed():
+            if exc is None and hasattr(result, "shutdown"):
+                result.shutdown()
+            return
+        try:
+            loop.call_soon_threadsafe(deliver, result, exc)
+        except RuntimeError:  # the loop closed meanwhile
+            if exc is None and hasattr(result, "shutdown"):
+                result.shutdown()
+
+    threading.Thread(target=run, name="engine-core-restart", daemon=True).start()
+    try:
+        return await future
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise

@@ -1,15 +1,22 @@
 """The FastAPI app: routes, API-key and body-size middleware, error handlers, lifespan.
 
 ``build_app(engine, settings)`` wires an :class:`AsyncLLM` into a FastAPI app;
-``run_server`` serves it with uvicorn. Request bodies are parsed here (not by FastAPI)
-so that every failure has an OpenAI-style body: invalid JSON and validation failures are
-400s naming the field, an oversized body is a 413, an unknown model a 404, a dead engine
-a 503, and anything unexpected a logged 500.
+``run_server`` serves it with uvicorn. Request bodies are parsed by the routes (not by
+FastAPI: ``request_body.parse_body``) so that every failure has an OpenAI-style body:
+invalid JSON, nesting deeper than ``max_request_json_depth``, numbers that are not finite
+and validation failures are 400s naming the field, an oversized body is a 413, an unknown
+model a 404, a dead engine a 503, and anything unexpected a logged 500. /openapi.json
+documents every route's request body and responses (``openapi``).
 
 Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections, in-flight requests may
 finish for ``timeout_graceful_shutdown`` seconds, then they are aborted in the engine (so
 each response still ends properly, with finish_reason "abort"); the lifespan exit then
 stops the engine-core process.
+
+Engine-core death: the lifespan's watcher (``serving_base.watch_engine``) fails the
+in-flight requests at once (/health is a 503), then starts a fresh core if
+``--restart-engine-core`` allows, else stops the server: ``run_server`` returns 1 and
+``engine serve`` exits with it, so a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -18,39 +25,69 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import engine as engine_pkg
 from engine.core.errors import EngineDeadError
 from engine.core.sampling_defaults import load_sampling_defaults
-from engine.entrypoints.openai.errors import APIError, bad_request, engine_dead, error_body
+from engine.entrypoints.openai.errors import APIError, engine_dead, error_body
 from engine.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from engine.entrypoints.openai.openapi import (
+    GENERATION_ERRORS,
+    METRICS_RESPONSES,
+    TOKENIZE_ERRORS,
+    OpenAPILimits,
+    error_responses,
+    install_openapi,
+    json_body,
+    streaming_ok,
+)
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
-from engine.entrypoints.openai.serving_base import ServerSettings, ServerState, to_api_error
+from engine.entrypoints.openai.request_body import (  # noqa: F401 - re-exported
+    DEFAULT_MAX_JSON_DEPTH,
+    json_nesting_depth,
+    load_json_body,
+    parse_body,
+    validation_error,
+)
+from engine.entrypoints.openai.serving_base import (
+    GenerationLimitsMiddleware,
+    ServerSettings,
+    ServerState,
+    to_api_error,
+    watch_engine,
+)
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from engine.structured_output.tool_calls import get_tool_parser
 
 logger = logging.getLogger("engine.server")
-
-M = TypeVar("M", bound=BaseModel)
 
 # Routes that stay open when an API key is set (probes and scrapers carry no key).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
@@ -111,34 +148,6 @@ class BodySizeLimitMiddleware:
                              f"{self.max_bytes} bytes")
 
 
-# -- request parsing ----------------------------------------------------------------------
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as ``model``; 400 with the offending field otherwise."""
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-
-
-def validation_error(errors: list[Any]) -> APIError:
-    def where(error: Any) -> str:
-        return ".".join(str(part) for part in error.get("loc", ())) or "body"
-
-    details = "; ".join(f"{where(e)}: {e.get('msg', 'invalid')}" for e in errors[:5])
-    first_loc = errors[0].get("loc", ()) if errors else ()
-    param = str(first_loc[0]) if first_loc else None
-    if param == "body" and len(first_loc) > 1:  # FastAPI's own locations start with "body"
-        param = str(first_loc[1])
-    return bad_request(f"Invalid request: {details}", param)
-
-
 # -- app ----------------------------------------------------------------------------------
 def build_app(engine: Any, settings: ServerSettings | None = None, *,
               shutdown_engine: bool = True) -> FastAPI:
@@ -162,9 +171,13 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.info("Serving model %r at http://%s:%d (OpenAI API under /v1)", model_name,
                     settings.host, settings.port)
+        watcher = asyncio.create_task(watch_engine(state), name="engine-core-watcher")
         try:
             yield
         finally:
+            state.shutting_down = True
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             logger.info("Shutting down: stopping the engine")
             pool.shutdown(wait=False, cancel_futures=True)
             if shutdown_engine:
@@ -174,29 +187,32 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
                   lifespan=lifespan)
     app.state.server_state = state
     # add_middleware wraps: the last added runs first, so the API key is checked before
-    # any body is read.
+    # any body is read, and only then does a request take a generation slot.
+    app.add_middleware(GenerationLimitsMiddleware, state=state)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    max_depth = settings.max_request_json_depth
+
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Response:
         try:
             await engine.check_health()
         except EngineDeadError as exc:
             return engine_dead(exc).response()
-        return Response(status_code=200)
+        return JSONResponse(HealthResponse().model_dump(mode="json"))
 
-    @app.get("/ping")
+    @app.get("/ping", response_model=HealthResponse, responses=error_responses(503))
     async def ping() -> Response:
         return await health()
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": engine_pkg.__version__}
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=engine_pkg.__version__)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
         await metrics.refresh(engine)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -205,37 +221,45 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
         return ModelCard(id=model_name, root=engine.config.model.model,
                          max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 500))
     async def list_models() -> JSONResponse:
         return JSONResponse(ModelList(data=[model_card()]).model_dump(mode="json"))
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses=error_responses(401, 404, 422, 500))
     async def retrieve_model(model_id: str) -> JSONResponse:
         completions.check_model(model_id)
         return JSONResponse(model_card().model_dump(mode="json"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
+              responses={**streaming_ok(CompletionResponse, CompletionStreamResponse),
+                         **error_responses(*GENERATION_ERRORS)})
     async def create_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, CompletionRequest)
+        request = await parse_body(raw_request, CompletionRequest, max_depth)
         return await _guard(completions.create_completion(request, raw_request.receive))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
+              responses={**streaming_ok(ChatCompletionResponse, ChatCompletionStreamResponse),
+                         **error_responses(*GENERATION_ERRORS)})
     async def create_chat_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, ChatCompletionRequest)
+        request = await parse_body(raw_request, ChatCompletionRequest, max_depth)
         return await _guard(chat.create_chat_completion(request, raw_request.receive))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest),
+              response_model=TokenizeResponse, responses=error_responses(*TOKENIZE_ERRORS))
     async def tokenize(raw_request: Request) -> JSONResponse:
-        request = await parse_body(raw_request, TokenizeRequest)
+        request = await parse_body(raw_request, TokenizeRequest, max_depth)
         response = await _guard(tokenization.tokenize_request(request))
         return JSONResponse(response.model_dump(mode="json"))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest),
+              response_model=DetokenizeResponse, responses=error_responses(*TOKENIZE_ERRORS))
     async def detokenize(raw_request: Request) -> JSONResponse:
-        request = await parse_body(raw_request, DetokenizeRequest)
+        request = await parse_body(raw_request, DetokenizeRequest, max_depth)
         response = await _guard(tokenization.detokenize_request(request))
         return JSONResponse(response.model_dump(mode="json"))
 
+    install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS)
     return app
 
 
@@ -276,14 +300,19 @@ _BACKSTOP_S = 5  # after the grace period and the aborts, uvicorn cancels what i
 
 
 def run_server(engine: Any, settings: ServerSettings, *, log_level: str = "info",
-               access_log: bool = True, timeout_graceful_shutdown: int = 10) -> None:
-    """Serve until SIGINT / SIGTERM; the engine is shut down on the way out."""
+               access_log: bool = True, timeout_graceful_shutdown: int = 10) -> int:
+    """Serve until SIGINT / SIGTERM (or until the engine core dies for good); the engine
+    is shut down on the way out. Returns the exit code: 0, or 1 after core death."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
         """On shutdown, let requests run for the grace period, then abort them in the
         engine so that every response still ends properly (streams with a final chunk
         and [DONE]) instead of being cut off."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.shutting_down = True  # a core that exits on the same Ctrl-C stays down
+            super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
             loop = asyncio.get_running_loop()
@@ -305,4 +334,28 @@ def run_server(engine: Any, settings: ServerSettings, *, log_level: str = "info"
         access_log=access_log, lifespan="on",
         timeout_graceful_shutdown=timeout_graceful_shutdown + _BACKSTOP_S,
     )
-    GracefulServer(config).run()
+    server = GracefulServer(config)
+    state: ServerState = app.state.server_state
+
+    def stop_after_core_death() -> None:
+        state.shutting_down = True
+        server.should_exit = True
+        # Should the orderly shutdown hang, still exit (non-zero) for the supervisor.
+        limit = timeout_graceful_shutdown + _BACKSTOP_S + _HARD_EXIT_S
+        timer = threading.Timer(limit, _hard_exit, (state.exit_code or 1, limit))
+        timer.daemon = True
+        timer.start()
+
+    state.stop_server = stop_after_core_death
+    server.run()
+    return state.exit_code
+
+
+_HARD_EXIT_S = 10
+
+
+def _hard_exit(code: int, after_s: float) -> None:
+    logger.error("The server did not stop within %.0f s of the engine core's death; "
+                 "exiting now (code %d)", after_s, code)
+    logging.shutdown()
+    os._exit(code)

@@ -1,9 +1,13 @@
 """Pydantic request/response models of the OpenAI-compatible API (plus vLLM's extras).
 
 Requests accept unknown fields (the ``openai`` client and other tools send fields this
-server does not use); the serving layer logs them as ignored, as vLLM does. Fields that
-change what the model must do but are not implemented (legacy ``functions``, ``suffix``)
-are rejected with a 400 by the serving layer, never ignored. Structured output
+server does not use); the serving layer logs them as ignored, as vLLM does. Known fields
+are validated strictly (``false`` is not a token id, ``0`` is not a boolean, ``"2"`` and
+``2.5`` are not integers; ``2.0`` is one, as JSON Schema counts), numbers must be
+finite, and every range a field has is declared on the field, so the served OpenAPI
+schema says what a request may hold and a value outside it is a 400 naming the field.
+Fields that change what the model must do but are not implemented (legacy ``functions``,
+``suffix``) are rejected with a 400 by the serving layer, never ignored. Structured output
 (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) is accepted by both
 completions and chat; ``tools`` / ``tool_choice`` by chat.
 """
@@ -14,10 +18,33 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from engine.core.chat_template import ROLES
+
+
+def _integral_number(value: Any) -> Any:
+    """``2.0`` is an integer to JSON Schema (what the served OpenAPI document promises), so
+    it is taken as 2; ``2.5``, ``true`` and ``"2"`` still fail strict validation."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
 
 # Integers the engine carries as int64 (msgpack): larger values are a 400, not a crash.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+INT64_MAX = 2**63 - 1
+_AS_INT = BeforeValidator(_integral_number)  # after Field(): the bounds reach the schema
+Int64 = Annotated[int, Field(ge=-(2**63), le=INT64_MAX), _AS_INT]
+NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
+PosInt = Annotated[int, Field(ge=1, le=INT64_MAX), _AS_INT]
+# A token id. Its upper bound (the vocabulary size) belongs to the model: the server checks
+# it and writes it into the OpenAPI schema it serves.
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+UnitInterval = Annotated[float, Field(ge=0.0, le=1.0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # a token id as a JSON object key
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 def random_id(prefix: str) -> str:
@@ -36,6 +63,13 @@ class OpenAIBaseModel(BaseModel):
         return sorted(self.model_extra or ())
 
 
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body (or a part of one): strict types, finite numbers, unknown fields kept
+    (and logged as ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
 # -- errors -------------------------------------------------------------------------------
 class ErrorInfo(OpenAIBaseModel):
     message: str
@@ -50,69 +84,150 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # -- shared request fields ----------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+# Rules between fields, for the schema (the serving layer enforces them).
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+_ONE_PROMPT_MODE = {  # continue_final_message needs add_generation_prompt (default true) off
+    "if": {"required": ["continue_final_message"],
+           "properties": {"continue_final_message": {"const": True}}},
+    "then": {"required": ["add_generation_prompt"],
+             "properties": {"add_generation_prompt": {"const": False}}},
+}
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
+_TOOL_SCHEMA = {
+    "type": "object", "required": ["function"],
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string", "minLength": 1},
+                       "parameters": {"description": "A JSON Schema object"}}}},
+}
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"}, "function": {
+         "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    {"type": "null"},
+]}
+# What response_format may be (documentation: engine.structured_output.openai_fields
+# validates it).
+_RESPONSE_FORMAT_SCHEMA = {"oneOf": [
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"],
+     "properties": {"type": {"const": "json_schema"}, "json_schema": {
+         "type": "object", "required": ["schema"],
+         "description": "{name, schema, strict}: the output follows `schema`, a JSON Schema "
+                        "(vLLM also takes its JSON text)",
+         "properties": {"schema": {"type": "object"}},
+     }}},
+    {"type": "object", "required": ["type", "structures", "triggers"],
+     "properties": {"type": {"const": "structural_tag"}, "structures": {"type": "array"},
+                    "triggers": {"type": "array"}}},
+]}
+
+
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIRequestModel):
     """Fields common to completions and chat completions (OpenAI's, then vLLM's extras)."""
 
+    model_config = ConfigDict(json_schema_extra={
+        "allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+
     model: str | None = None
-    n: Int64 | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: PosInt | None = 1
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    # token id (a decimal string) -> bias added to its logit
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), _AS_INT] | None = None  # 0/-1: off
+    min_p: UnitInterval | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
-    min_tokens: Int64 = 0
-    stop_token_ids: list[Int64] | None = None
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
-    prompt_logprobs: Int64 | None = None
-    truncate_prompt_tokens: Int64 | None = None
-    allowed_token_ids: list[Int64] | None = None
+    prompt_logprobs: NonNegInt | None = None
+    truncate_prompt_tokens: PosInt | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
     # Structured output (see engine.structured_output.openai_fields): at most one source.
-    response_format: dict[str, Any] | None = None
+    # (Not in the schema: a rule over six fields defeats the fuzzers that read it.)
+    response_format: dict[str, Any] | None = Field(
+        None, json_schema_extra={"anyOf": [_RESPONSE_FORMAT_SCHEMA, {"type": "null"}]})
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(pattern=r"\S")] | None = None  # not blank
+    guided_decoding_backend: str | None = Field(None, json_schema_extra={"anyOf": [
+        {"enum": ["auto", "xgrammar", "llguidance", "guidance"]}, {"type": "null"}]})
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[Int64] | list[list[Int64]]
-    max_tokens: Int64 | None = 16
-    logprobs: Int64 | None = None
+    # text, texts, token ids, or lists of token ids (several prompts); none may be empty
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: NonNegInt | None = 16  # 0: score the prompt only (echo + logprobs)
+    logprobs: NonNegInt | None = None
     echo: bool | None = False
-    best_of: Int64 | None = None
-    suffix: str | None = None
+    best_of: PosInt | None = Field(None, description="Unset, or equal to n: extra samples "
+                                   "are not generated and ranked")
+    suffix: str | None = Field(None, description="Not supported: unset, null or empty",
+                               json_schema_extra={"anyOf": [{"type": "string", "maxLength": 0},
+                                                            {"type": "null"}]})
     add_special_tokens: bool = True
 
 
-class ChatMessageParam(OpenAIBaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class ChatContentPart(OpenAIRequestModel):
+    """A part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(OpenAIRequestModel):
+    # Only an assistant message (one that made tool calls) may leave its content out.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"],
+                 "properties": {"content": {"type": ["string", "array"]}}}})
+
+    role: Literal[ROLES]  # type: ignore[valid-type]  # what the chat-template layer takes
+    content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessageParam:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
+
     def to_template_dict(self) -> dict[str, Any]:
-        message = {"role": self.role, "content": self.content}
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump() for part in content]
+        message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         message.update(self.model_extra or {})
@@ -120,16 +235,24 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessageParam]
-    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: Int64 | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS, _ONE_PROMPT_MODE]})
+
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_tokens: PosInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: PosInt | None = None
     logprobs: bool | None = False
-    top_logprobs: Int64 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: NonNegInt | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={
+        "anyOf": [{"type": "array", "items": _TOOL_SCHEMA}, {"type": "null"}]})
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, json_schema_extra=_TOOL_CHOICE_SCHEMA)
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    # The legacy function calling is not supported (use tools): only its "off" values pass.
+    functions: list[dict[str, Any]] | None = Field(
+        None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})
+    function_call: str | dict[str, Any] | None = Field(
+        None, json_schema_extra={"anyOf": [{"const": "none"}, {"type": "null"}]})
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -256,12 +379,20 @@ class ModelList(OpenAIBaseModel):
 
 
 # -- tokenize / detokenize ----------------------------------------------------------------
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """Either ``prompt`` (text) or ``messages`` (rendered with the chat template)."""
+
+    # Exactly one of prompt / messages (the other absent or null), as the schema says.
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_PROMPT_MODE], "oneOf": [
+        {"required": ["prompt"],
+         "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"],
+         "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -277,10 +408,19 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
-    tokens: list[Int64]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# -- probes -------------------------------------------------------------------------------
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str

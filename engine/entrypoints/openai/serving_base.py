@@ -4,7 +4,12 @@ Every request is fully validated *before* a response starts (model name, lengths
 sampling parameters, and the engine's own Processor checks), so bad input always gets a
 400 JSON body, even for ``stream: true``. Generation then runs through
 ``AsyncLLM.generate``; closing its iterator (a finished response, a client disconnect, a
-server shutdown) aborts the request in the engine core.
+server shutdown, a passed deadline) aborts the request in the engine core.
+
+Also here: :class:`GenerationLimitsMiddleware` (the ``--max-num-waiting`` queue cap,
+answered with a 429 and Retry-After, and the ``--request-timeout`` / ``x-request-timeout``
+deadline) and :func:`watch_engine`, which notices a dead engine core and restarts it
+(``--restart-engine-core``) or stops the server with exit code 1.
 """
 
 from __future__ import annotations
@@ -14,14 +19,15 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 
 from engine.core.core_protocol import describe_exception
 from engine.core.errors import EngineDeadError
@@ -68,11 +74,21 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the engine's model name
     api_key: str | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
+    max_request_json_depth: int = 64  # deeper request bodies get a 400 before parsing
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for
     max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs
     tool_call_parser: str = "hermes"  # reads tool calls in tool_choice "auto" outputs
     host: str = "127.0.0.1"
     port: int = 8000
+    # A dead engine core: start a fresh one up to this many times, then stop the server
+    # with exit code 1 (vLLM's API server exits too) unless exit_on_engine_death is off.
+    restart_engine_core: int = 0
+    exit_on_engine_death: bool = True
+    # Generation requests beyond max_num_seqs + max_num_waiting at once get a 429.
+    max_num_waiting: int | None = None
+    # Seconds a generation request may take (x-request-timeout overrides it) before its
+    # work is aborted and it is answered with a 408.
+    request_timeout: float | None = None
 
 
 @dataclass
@@ -86,6 +102,11 @@ class ServerState:
     in_flight: set[str] = field(default_factory=set)  # engine request ids now generating
     # The model's generation_config.json values fill the fields a request leaves unset.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    num_admitted: int = 0  # generation HTTP requests admitted and not yet answered
+    # Set by run_server: stops uvicorn (the engine core died for good).
+    stop_server: Callable[[], None] | None = None
+    shutting_down: bool = False  # a shutdown has begun: a dead core is not restarted
+    exit_code: int = 0  # what the server process exits with
 
     async def abort_in_flight(self) -> int:
         """End every generating request (its response finishes with reason "abort")."""
@@ -93,6 +114,13 @@ class ServerState:
         if ids:
             await self.engine.abort(ids)
         return len(ids)
+
+    def admission_limit(self) -> int | None:
+        """How many generation requests may be admitted at once (None: no limit)."""
+        waiting = self.settings.max_num_waiting
+        if waiting is None:
+            return None
+        return self.engine.config.scheduler.max_num_seqs + waiting
 
 
 @dataclass
@@ -159,9 +187,10 @@ class OpenAIServing:
                 param)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str,
-                           minimum: int) -> int:
+                           minimum: int, prompt_param: str = "prompt") -> int:
         """Check the prompt and ``max_tokens`` against max_model_len and the server limit
-        (vLLM's wording); return the effective max_tokens."""
+        (vLLM's wording); return the effective max_tokens. ``prompt_param`` names the
+        request field a too-long prompt came from (chat: ``messages``)."""
         limit = self.settings.max_tokens_limit
         if requested is not None:
             if requested < minimum:
@@ -173,7 +202,7 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {prompt_len} input tokens. Please reduce the length of the "
-                "input messages.", "messages" if param == "max_completion_tokens" else "prompt")
+                "input messages.", prompt_param)
         room = self.max_model_len - prompt_len
         if requested is None:  # the room left, capped by the model's max_new_tokens
             default = self.sampling_defaults.max_tokens
@@ -467,3 +496,157 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._source.aclose()  # type: ignore[attr-defined]
+
+
+# -- overload and deadlines ---------------------------------------------------------------
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
+RETRY_AFTER_S = 1
+
+
+def rate_limited(message: str, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
+    """A 429 with an OpenAI-style body (type "RateLimitError", what the openai client
+    raises for it) and a Retry-After header."""
+    error = APIError(429, message, error_type="RateLimitError")
+    return JSONResponse(error.body(), status_code=429,
+                        headers={"Retry-After": str(retry_after_s)})
+
+
+def request_timeout_s(headers: list[tuple[bytes, bytes]], default: float | None) -> float | None:
+    """The request's deadline in seconds: its x-request-timeout header, else ``default``.
+    A malformed header is a 400."""
+    raw = dict(headers).get(REQUEST_TIMEOUT_HEADER)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.decode("latin-1").strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise bad_request(f"The x-request-timeout header must be a positive number of seconds, "
+                          f"got {raw.decode('latin-1')!r}", "x-request-timeout")
+    return value
+
+
+class GenerationLimitsMiddleware:
+    """For the generation routes: a 429 (with Retry-After) while ``max_num_seqs +
+    max_num_waiting`` requests are already admitted, and a deadline (x-request-timeout
+    header, else ``request_timeout``) after which the request's work is cancelled, which
+    aborts it in the engine core and frees its KV blocks. A request past its deadline gets
+    a 408 or, once its stream has started, a final error event and ``[DONE]``."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or scope["path"] not in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        try:
+            timeout = request_timeout_s(scope["headers"], state.settings.request_timeout)
+        except APIError as error:
+            await error.response()(scope, receive, send)
+            return
+        limit = state.admission_limit()
+        if limit is not None and state.num_admitted >= limit:
+            await rate_limited(
+                f"The server is overloaded: {state.num_admitted} requests are running or "
+                f"waiting (the limit is max_num_seqs + max_num_waiting = {limit}); retry later"
+            )(scope, receive, send)
+            return
+        state.num_admitted += 1
+        try:
+            if timeout is None:
+                await self.app(scope, receive, send)
+            else:
+                await self._with_deadline(scope, receive, send, timeout)
+        finally:
+            state.num_admitted -= 1
+
+    async def _with_deadline(self, scope: dict, receive: Any, send: Any,
+                             timeout: float) -> None:
+        start: dict | None = None  # the response's start message, once sent
+        done = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal start, done
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                done = True
+            await send(message)
+
+        with anyio.move_on_after(timeout) as deadline:
+            await self.app(scope, receive, tracked_send)
+        if not deadline.cancelled_caught or done:
+            return
+        logger.warning("%s: request passed its deadline of %g s; its work was aborted",
+                       scope["path"], timeout)
+        error = APIError(408, f"The request did not finish within its deadline of {timeout:g} s "
+                              "(x-request-timeout / --request-timeout); its work was aborted")
+        if start is None:
+            await error.response()(scope, receive, send)
+            return
+        content_type = dict(start.get("headers", ())).get(b"content-type", b"")
+        body = (sse(error.body()) + SSE_DONE).encode() if content_type.startswith(
+            b"text/event-stream") else b""
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# -- engine-core death --------------------------------------------------------------------
+WATCH_INTERVAL_S = 0.1
+_DRAIN_S = 2.0  # how long in-flight requests get to send their errors before the exit
+
+
+async def watch_engine(state: ServerState) -> None:
+    """Notice a dead engine core within WATCH_INTERVAL_S (even with no request running):
+    fail its in-flight requests, then restart it (``restart_engine_core`` times at most)
+    or stop the server with exit code 1 (unless ``exit_on_engine_death`` is off: then
+    every request keeps getting a 503)."""
+    engine, settings = state.engine, state.settings
+    if not hasattr(engine, "fail_in_flight"):  # a stand-in engine in a test: nothing to watch
+        return
+    restarts_left = settings.restart_engine_core
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL_S)
+        if state.shutting_down or engine.closed or not engine.errored:
+            continue
+        died = time.monotonic()
+        error = engine.fail_in_flight()
+        if error is None or state.shutting_down:
+            continue
+        if restarts_left > 0:
+            restarts_left -= 1
+            attempt = settings.restart_engine_core - restarts_left
+            logger.error("Engine core died (%s); starting a fresh one (restart %d of %d); "
+                         "in-flight requests got errors", error, attempt,
+                         settings.restart_engine_core)
+            try:
+                pid = await engine.restart_core()
+            except Exception as exc:  # noqa: BLE001 - EngineStartupError and the like
+                error = exc
+                logger.error("Could not restart the engine core: %s", describe_exception(exc))
+            else:
+                logger.info("Engine core restarted (pid %d) %.1f s after it died; serving "
+                            "again", pid, time.monotonic() - died)
+                continue
+        if not settings.exit_on_engine_death:
+            logger.error("Engine core died (%s); the server stays up and answers 503 "
+                         "(exit on engine death is off)", error)
+            return
+        reason = (f"and all {settings.restart_engine_core} restart(s) are used"
+                  if settings.restart_engine_core else "and --restart-engine-core is 0")
+        logger.error("Engine core died (%s) %s: stopping the server with exit code 1",
+                     error, reason)
+        state.exit_code = 1
+        drain_until = time.monotonic() + _DRAIN_S
+        while state.in_flight and time.monotonic() < drain_until:
+            await asyncio.sleep(0.02)
+        if state.stop_server is not None:
+            state.stop_server()
+        else:
+            logger.warning("No server to stop (the app is not run by run_server)")
+        return

@@ -1,6 +1,7 @@
 """A server whose engine-core process is killed: /health turns 503 at once, in-flight
 requests end with errors (a stream gets an error event, then [DONE]), new requests get a
-503 promptly, and SIGTERM still stops the server. Its own server: the core stays dead."""
+503 promptly, and SIGTERM still stops the server. Its own server: the core stays dead
+(--keep-alive-on-engine-death; by default the server exits, see test_openai_core_restart)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ LONG = {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 240,
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server()
+    return start_server("--keep-alive-on-engine-death")
 
 
 def _running(url: str) -> float:
