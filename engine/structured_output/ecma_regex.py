@@ -618,6 +618,16 @@ def features(pattern: str) -> frozenset[str]:
     return parse(pattern).features
 
 
+def enforcement_problem(pattern: str) -> str | None:
+    """Why no structured-output backend can enforce ``pattern`` (not ECMA-262, or a
+    feature none has, :data:`LOOK_AROUND` ...), or None."""
+    try:
+        unsupported = features(pattern)
+    except ValueError as exc:
+        return f"an invalid regex ({exc})"
+    return ", ".join(sorted(unsupported)) if unsupported else None
+
+
 def uses_properties(pattern: str) -> bool:
     """Whether a valid pattern has ``\\p{..}`` / ``\\P{..}`` (beyond xgrammar)."""
     return parse(pattern).properties

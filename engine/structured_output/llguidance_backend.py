@@ -26,12 +26,9 @@ from engine.structured_output.params import StructuredOutputsParams
 @lru_cache(maxsize=4096)
 def regex_problem(pattern: str) -> str | None:
     """Why llguidance cannot enforce the JSON Schema ``pattern`` (ECMA-262), or None."""
-    try:
-        unsupported = ecma_regex.features(pattern)
-    except ValueError as exc:
-        return f"an invalid regex ({exc})"
-    if unsupported:
-        return ", ".join(sorted(unsupported))
+    problem = ecma_regex.enforcement_problem(pattern)
+    if problem is not None:
+        return problem
     error = llg.LLMatcher.validate_grammar(
         llg.LLMatcher.grammar_from_regex(ecma_regex.to_backend(pattern))
     )

@@ -101,12 +101,9 @@ def audit(schema: Any) -> dict[str, str]:
 @lru_cache(maxsize=4096)
 def regex_problem(pattern: str) -> str | None:
     """Why xgrammar cannot enforce the JSON Schema ``pattern`` (ECMA-262), or None."""
-    try:
-        unsupported = ecma_regex.features(pattern)
-    except ValueError as exc:
-        return f"an invalid regex ({exc})"
-    if unsupported:
-        return ", ".join(sorted(unsupported))
+    problem = ecma_regex.enforcement_problem(pattern)
+    if problem is not None:
+        return problem
     if ecma_regex.uses_properties(pattern):
         return ecma_regex.PROPERTY_ESCAPE  # xgrammar reads [\p{L}] as the letters p { L }
     try:
