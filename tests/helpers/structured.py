@@ -10,6 +10,18 @@ import jsonschema
 
 from engine.structured_output import StructuredOutputsParams
 
+# A schema neither backend enforces in full (uniqueItems): it compiles relaxed.
+UNIQUE = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3,
+                 "uniqueItems": True},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["tags", "n"],
+    "additionalProperties": False,
+}
+
 
 def satisfies(so: StructuredOutputsParams, text: str, grammar_res: dict[str, str] | None = None
               ) -> bool:

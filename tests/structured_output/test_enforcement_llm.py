@@ -13,17 +13,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from engine.structured_output.ecma_regex import schema_patterns_to_python
+from tests.helpers.structured import UNIQUE
 
-UNIQUE = {
-    "type": "object",
-    "properties": {
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3,
-                 "uniqueItems": True},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["tags", "n"],
-    "additionalProperties": False,
-}
 OBJECT_ONE_OF = {
     "type": "object",
     "oneOf": [

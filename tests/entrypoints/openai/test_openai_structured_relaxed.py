@@ -14,20 +14,11 @@ import jsonschema
 import pytest
 
 from engine.structured_output.ecma_regex import schema_patterns_to_python
+from tests.helpers.structured import UNIQUE
 
 SERVED_NAME = "tiny"
 MESSAGES = [{"role": "user", "content": "Some data."}]
 HEADER = "x-structured-output-relaxed"
-UNIQUE = {
-    "type": "object",
-    "properties": {
-        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3,
-                 "uniqueItems": True},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["tags", "n"],
-    "additionalProperties": False,
-}
 # Object-rooted with an overlapping oneOf (both branches take {}).
 OBJECT_ONE_OF = {
     "type": "object",
