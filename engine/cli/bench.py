@@ -140,6 +140,11 @@ def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("runs on", f"{where}{f' on {cpu}' if cpu else ''}: {weights} weights "
                         f"({runtime['weights_mib']} MiB), {runtime['activation_dtype']} "
                         "activations")]
+    parallel = runtime.get("parallel")
+    if parallel:
+        rows.append(("ranks", f"tp {parallel['tensor_parallel_size']} x pp "
+                              f"{parallel['pipeline_parallel_size']} ({parallel['executor']}), "
+                              f"weights per rank {parallel['weights_mib_per_rank']} MiB"))
     layers = runtime.get("layer_kernels") or {}
     kernels = ", ".join(f"{kind}: {kernel}" for kind, kernel in layers.items())
     return [*rows, ("GEMMs", kernels or "-")]

@@ -70,6 +70,21 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Seed of the engine's global RNGs."),
     click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs",
                  show_default=True),
+    click.option("--tensor-parallel-size", "-tp", "tensor_parallel_size", type=click.IntRange(1),
+                 default=1, show_default=True,
+                 help="Ranks each layer's heads and matrices are split over."),
+    click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size",
+                 type=click.IntRange(1), default=1, show_default=True,
+                 help="Pipeline stages the layers are split into."),
+    click.option("--distributed-executor-backend", type=click.Choice(["mp", "ray", "uni"]),
+                 default=None,
+                 help="How ranks run: mp (local processes; the default for more than one "
+                      "rank), ray (actors on a Ray cluster: RAY_ADDRESS or `ray start`), "
+                      "uni (one rank, in process)."),
+    click.option("--enable-expert-parallel", is_flag=True, default=False,
+                 help="MoE models: place whole experts across the tensor-parallel ranks "
+                      "(tokens go to their experts' ranks by all-to-all) instead of "
+                      "splitting every expert."),
     click.option("--enforce-eager", is_flag=True, default=False,
                  help="Run every step eagerly (no forward graphs for decode steps)."),
     click.option("--quantization", "-q", default=None,
@@ -98,7 +113,8 @@ ENGINE_OPTION_NAMES = (
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
     "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
-    "speculative_config", "structured_outputs_config",
+    "speculative_config", "structured_outputs_config", "tensor_parallel_size",
+    "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
 )
 
 

@@ -118,7 +118,7 @@ def model_kernels_report(model: str, device: str, quantization: str | None,
     from engine.core.engine_args import EngineArgs
     from engine.core.plugins import resolve_platform
     from engine.model_executor import kernel_report
-    from engine.model_executor.executor import load_platform_model
+    from engine.model_executor.worker import load_platform_model
 
     config = EngineArgs(model=model, device=device, quantization=quantization,
                         dtype=dtype).create_engine_config()

@@ -103,6 +103,9 @@ class ParallelConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
     enable_expert_parallel: bool = False
+    # vLLM's names: "mp" (local worker processes), "ray" (a Ray cluster), "uni" (one rank
+    # in process); None picks uni for one rank and mp otherwise.
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
 
     @property
     def world_size(self) -> int:

@@ -87,6 +87,8 @@ class EngineCoreProc:
         while not self.shutdown_requested:
             busy = self.core.has_unfinished_requests()
             self._process_input(block=not busy)
+            if not busy:  # a worker rank that died while idle fails the core now
+                self.core.check_health()
             if self.shutdown_requested or not self.core.has_unfinished_requests():
                 continue
             outputs = self.core.step()
@@ -160,6 +162,11 @@ class EngineCoreProc:
         totals.num_preemptions_total += interval.num_preemptions
         if interval.spec is not None:  # None: speculative decoding is off
             totals.add_spec_interval(interval.spec)
+        if interval.expert_load is not None:
+            totals.add_expert_load(interval.expert_load)
+            parallel = self.core.config.parallel
+            totals.moe_expert_parallel_size = (parallel.tensor_parallel_size
+                                               if parallel.enable_expert_parallel else 1)
         totals.structured_output = self.core.structured_output_manager.stats.snapshot()
         return totals
 

@@ -73,6 +73,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "mp", "ray", "uni"; None: by world size
+    enable_expert_parallel: bool = False  # MoE experts placed whole across the TP ranks
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
@@ -160,6 +162,8 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             device=DeviceConfig(
                 device=self.device,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 
 from engine.core.config import EngineConfig
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -27,14 +28,14 @@ class EngineCore:
     """Scheduler + executor, stepped by whoever owns it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.model_executor.executor import Executor
+        from engine.model_executor.executor import make_executor
         from engine.structured_output.manager import StructuredOutputManager
 
         self.config = config
         self.platform = resolve_platform(config.device.device)
-        self.executor = Executor(config, self.platform)
+        self.executor = make_executor(config, self.platform)
         self.structured_output_manager = StructuredOutputManager.from_engine_config(
-            config, vocab_size=self.executor.runner.vocab_size
+            config, vocab_size=self.executor.vocab_size
         )
         spec = config.speculative
         self.scheduler = Scheduler(
@@ -45,7 +46,14 @@ class EngineCore:
             num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_kv else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             structured_output_manager=self.structured_output_manager,
+            # Earlier pipeline stages do not sample: they learn the tokens from the diff.
+            send_new_token_ids=config.parallel.pipeline_parallel_size > 1,
+            num_micro_batches=self.executor.max_concurrent_batches,
         )
+        # Pipeline parallelism: up to one step in flight per stage (vLLM's batch queue).
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque = deque()
+        self.max_batches_in_flight = 0  # the deepest the queue got (stage utilisation)
         self.scheduler.register_ready_check(
             RequestStatus.WAITING_FOR_GRAMMAR, self.structured_output_manager.is_ready
         )
@@ -79,20 +87,52 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns what every touched request produced."""
         failed = self._finish_failed_grammars()
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue(failed)
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
-        bitmask = None
-        if scheduler_output.structured_output_req_ids:
-            bitmask = self.structured_output_manager.grammar_bitmask(
-                scheduler_output.structured_output_req_ids,
-                scheduler_output.scheduled_spec_decode_tokens,
-            )
-        elif scheduler_output.is_empty:
-            self.structured_output_manager.wait_for_compiles(_GRAMMAR_WAIT_S)
+        bitmask = self._grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask=bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())
+
+    def _grammar_bitmask(self, scheduler_output):
+        if scheduler_output.structured_output_req_ids:
+            return self.structured_output_manager.grammar_bitmask(
+                scheduler_output.structured_output_req_ids,
+                scheduler_output.scheduled_spec_decode_tokens,
+            )
+        if scheduler_output.is_empty:
+            self.structured_output_manager.wait_for_compiles(_GRAMMAR_WAIT_S)
+        return None
+
+    def _step_with_batch_queue(self, failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """Pipeline parallelism: schedule another micro-batch while there is room in the
+        queue (requests already in flight are passed over), and process the oldest step's
+        output only when the queue is full or nothing else can be scheduled."""
+        queue = self.batch_queue
+        submitted = False
+        if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            if not so.is_empty:
+                bitmask = self._grammar_bitmask(so)
+                queue.append((self.executor.execute_model(so, bitmask, non_block=True), so))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
+                submitted = True
+            else:  # every request is in flight: the finished ids go with the next step
+                self.scheduler.finished_req_ids |= so.finished_req_ids
+                if not queue:
+                    self._grammar_bitmask(so)  # waits briefly for pending compiles
+        if not queue or (submitted and len(queue) < self.batch_queue_size):
+            return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic())
+        future, so = queue.popleft()
+        outputs = self.scheduler.update_from_output(so, future.result())
+        return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())
+
+    def check_health(self) -> None:
+        """Raise when a worker rank is dead or unresponsive (the executor's check)."""
+        self.executor.check_health()
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         """Finish requests whose grammar failed to compile: finish_reason abort, the
@@ -127,4 +167,6 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model and cache (a process-backed core exits after this)."""
         self.structured_output_manager.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown()
         self.executor = None  # type: ignore[assignment]

@@ -161,6 +161,22 @@ class TorchDistributedCommunicator(Communicator):
         dist.broadcast(tensor, src=self._global(src), group=self.group)
         return tensor
 
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
+        if sum(send_counts) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: send counts {send_counts} do not add up to the "
+                             f"{tensor.shape[0]} rows sent")
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(recv_counts),
+                               input_split_sizes=list(send_counts), group=self.group)
+        return out
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         import torch.distributed as dist
 

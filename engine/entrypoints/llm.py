@@ -37,6 +37,17 @@ class LLM:
         if note := self.sampling_defaults.describe():
             logger.info("%s (used when generate/chat get no sampling params)", note)
 
+    def shutdown(self) -> None:
+        """Stop the engine: its worker processes (tensor / pipeline ranks) exit and
+        their ports close. The object is unusable afterwards."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.core.interfaces import AttentionBackend, DenseGemmKernel, FusedOps, QuantizedGemmKernel
+from engine.core.interfaces import (
+    AttentionBackend,
+    DenseGemmKernel,
+    FusedMoEKernel,
+    FusedOps,
+    QuantizedGemmKernel,
+)
 from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
@@ -279,6 +285,8 @@ def load_model(
     quantized_gemm_kernels: Sequence[type[QuantizedGemmKernel]] = (),
     fused_ops: FusedOps | None = None,
     activation_dtype: torch.dtype | str | None = None,
+    parallel: Any = None,
+    fused_moe_kernels: Sequence[type[FusedMoEKernel]] = (),
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
@@ -288,7 +296,9 @@ def load_model(
     quantized linear taking the first of ``quantized_gemm_kernels`` that accepts it.
     ``dense_gemm_kernels`` (the platform's, in preference order) then repack the
     unquantized linear weights they accept, once, for the platform's fastest GEMM;
-    ``fused_ops`` replace the layers' norm / activation / rotary op chains."""
+    ``fused_ops`` replace the layers' norm / activation / rotary op chains. ``parallel``
+    (an :class:`engine.distributed.ParallelState`): build and load only this rank's
+    shard (its heads, its part of each matrix, its pipeline stage's layers)."""
     from engine.quantization import resolve_quantization
 
     files = model if isinstance(model, ModelFiles) else load_model_files(model)
@@ -303,11 +313,20 @@ def load_model(
         quantization=plan,
         fused_ops=fused_ops,
         weight_dtype=dtype,
+        parallel=parallel,
+        moe_kernels=list(fused_moe_kernels),
     )
+    if parallel is not None and parallel.pp_size > 1 and not getattr(
+            files.model_cls, "supports_pipeline_parallel", False):
+        raise ValueError(f"{files.architecture} does not support pipeline parallelism")
     with torch.no_grad():
         net = files.model_cls(hf_config, ctx)
-        net.load_weights(safetensors_weights_iterator(files.weight_files))
+        net.load_weights(safetensors_weights_iterator(files.weight_files, lazy=True))
         quantized = finish_quantized_layers(net, plan, list(quantized_gemm_kernels))
+        for module in net.modules():  # derived weights (MLA's absorbed projections)
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
         packed = pack_dense_weights(net, list(dense_gemm_kernels))
     net.eval()
     net.requires_grad_(False)

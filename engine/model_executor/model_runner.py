@@ -7,6 +7,12 @@ by replaying the forward graph of its batch size (:mod:`.decode_graphs`) when th
 platform can capture one --, (4) computes logits only for positions that sample (plus
 prompt positions whose logprobs were asked for) and (5) samples. It never names a
 device: tensors go to ``platform.device()``.
+
+As one pipeline stage of several, it receives the previous stage's activations before
+its layers and sends its own after them, point to point over the pipeline group (the
+step's layout is known on every rank from the scheduler output, so no shapes travel);
+only the last stage computes logits and samples, and the earlier stages learn the
+accepted tokens from the scheduler output (``CachedRequestData.new_token_ids``).
 """
 
 from __future__ import annotations
@@ -37,18 +43,30 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What one layer's KV cache needs, as the model reports it."""
+    """What one layer's KV cache needs, as the model reports it: K and V of
+    ``num_kv_heads`` heads per token, or (``mla``) one latent entry of ``head_size``."""
 
     num_layers: int
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    mla: bool = False
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across all layers (K and V)."""
+        """Bytes of one block across all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * block_size * self.num_kv_heads * self.head_size * itemsize
+        entries = 1 if self.mla else 2  # MLA: the latent is key and value at once
+        per_layer = entries * block_size * self.num_kv_heads * self.head_size * itemsize
         return per_layer * self.num_layers
+
+    def cache_shape(self, backend: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        if not self.mla:
+            return backend.get_kv_cache_shape(num_blocks, block_size, self.num_kv_heads,
+                                              self.head_size)
+        shape = backend.get_mla_kv_cache_shape(num_blocks, block_size, self.head_size)
+        if shape is None:
+            raise ValueError(f"attention backend {backend.name!r} has no MLA kernels")
+        return shape
 
 
 @dataclass
@@ -106,8 +124,13 @@ class ModelRunner:
         block_size: int,
         enforce_eager: bool = False,
         proposer: Proposer | None = None,
+        parallel: Any = None,
     ) -> None:
         self.model = model
+        # Pipeline position (engine.distributed.ParallelState; None: the whole model).
+        self.pp = None if parallel is None or parallel.pp_size == 1 else parallel.pp
+        self.is_first_stage = self.pp is None or self.pp.rank == 0
+        self.samples = self.pp is None or self.pp.rank == self.pp.world_size - 1
         self.attn_backend = attn_backend
         self.platform = platform
         self.device = platform.device()
@@ -130,15 +153,16 @@ class ModelRunner:
         self._max_verify_len = 1 + k  # tokens of a request whose drafts are verified
         self.rejection_sampler = RejectionSampler(self.sampler.argmax)
         self._draft_probs: dict[str, torch.Tensor] = {}
+        from engine.model_executor.layers.fused_moe import FusedMoE
+
+        self._has_moe = any(isinstance(m, FusedMoE) for m in model.modules())
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
         """The target's KV cache (and the proposer's, over the same block ids)."""
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
-        )
+        shape = spec.cache_shape(self.attn_backend, num_blocks, self.block_size)
         self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
         if self._graph_capturer is not None:
             self.decode_graphs = DecodeGraphs(
@@ -197,6 +221,10 @@ class ModelRunner:
             row = batch.req_id_to_row[req_id]
             batch.append_blocks(row, new_blocks)
             batch.num_computed_tokens[row] = computed
+        if not self.samples and cached.new_token_ids:  # tokens the last stage sampled
+            rows = np.fromiter((batch.req_id_to_row[r] for r in cached.req_ids),
+                               dtype=np.int64, count=cached.num_reqs)
+            batch.append_token_lists(rows, cached.new_token_ids)
 
     def _drop(self, req_id: str) -> None:
         row = self.input_batch.remove(req_id)
@@ -217,6 +245,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs)
+        if not self.samples:  # an earlier pipeline stage: its activations went on
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         prompt_lp = self._prompt_logprobs_of_step(inputs, hidden)
         if inputs.num_drafts is None:
             tokens, logprobs = self._sample(
@@ -233,7 +263,17 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
             spec_token_ids=self._propose(inputs, hidden, token_lists),
+            expert_load=self._expert_load(),
         )
+
+    def _expert_load(self) -> list[int] | None:
+        """What the model's MoE layers routed since the previous step (None: dense)."""
+        if not self._has_moe:
+            return None
+        from engine.model_executor.models.moe_block import take_expert_load
+
+        load = take_expert_load(self.model)
+        return None if load is None else load.tolist()
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled tokens (bulk numpy); drafts to verify are written past
@@ -277,8 +317,34 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         metadata, input_ids, positions = self._eager_inputs(step)
+        if self.pp is None:
+            with set_forward_context(ForwardContext(metadata, self.kv_caches)):
+                return self.model(input_ids, positions)
+        return self._forward_stage(metadata, input_ids, positions)
+
+    def _forward_stage(self, metadata: Any, input_ids: torch.Tensor, positions: torch.Tensor
+                       ) -> torch.Tensor | None:
+        """One pipeline stage: receive, run this stage's layers, send on (or return the
+        hidden states on the last stage)."""
+        from engine.model_executor.models.interface import IntermediateTensors
+
+        pp = self.pp
+        intermediate = None
+        if not self.is_first_stage:
+            buffer = self._stage_buffer(len(input_ids))
+            intermediate = IntermediateTensors.unstack(pp.recv(buffer, pp.rank - 1))
         with set_forward_context(ForwardContext(metadata, self.kv_caches)):
-            return self.model(input_ids, positions)
+            out = self.model(input_ids, positions, intermediate)
+        if self.samples:
+            return out
+        pp.send(out.stacked(), pp.rank + 1)
+        return None
+
+    def _stage_buffer(self, num_tokens: int) -> torch.Tensor:
+        """Where the previous stage's ``[2, T, hidden]`` activations land."""
+        hidden_size = self.model.config.hidden_size
+        return torch.empty(2, num_tokens, hidden_size, dtype=self.model.activation_dtype,
+                           device=self.device)
 
     def _eager_inputs(self, step: StepIndices) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The attention metadata, token ids and positions of a step run eagerly."""

@@ -10,7 +10,7 @@ error instead of silently random weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,16 +19,24 @@ import torch
 from torch import nn
 
 from engine.model_executor.layers.linear import default_weight_loader
+from engine.model_executor.lazy_tensor import LazyTensor
 
 
-def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of every file, loaded lazily on the CPU."""
+def safetensors_weights_iterator(files: Iterable[Path], lazy: bool = False
+                                 ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """``(name, tensor)`` for every tensor of every file, on the CPU. ``lazy``: yield
+    :class:`LazyTensor` handles, read only as far as a parameter's loader asks (a
+    tensor-parallel rank reads its part of each matrix, never the whole)."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                if lazy:
+                    handle = f.get_slice(name)
+                    yield name, LazyTensor(handle, tuple(handle.get_shape()))
+                else:
+                    yield name, f.get_tensor(name)
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,16 @@ def load_named_weights(
     skip_substrings: Iterable[str] = (),
     ignore: Iterable[str] = (),
     optional: Iterable[str] = (),
+    name_mapper: Callable[[str], tuple[str, Any] | None] | None = None,
 ) -> set[str]:
     """Load ``weights`` into ``module``'s parameters; return the parameter names filled.
 
     ``skip_substrings``: checkpoint names containing any of these are dropped
     (e.g. ``rotary_emb.inv_freq``). ``ignore``: exact checkpoint names dropped (e.g. a
     saved ``lm_head.weight`` when the head is tied). ``optional``: parameters that may
-    stay unloaded (the caller handles them). Raises ``ValueError`` naming every
+    stay unloaded (the caller handles them). ``name_mapper(name)`` -> ``(parameter,
+    shard_id)`` or None, consulted before ``stacked``: names that carry their shard id
+    (a MoE layer's ``experts.{e}.w1``). Raises ``ValueError`` naming every
     unexpected checkpoint tensor and every parameter (or shard) left unloaded.
     """
     params = dict(module.named_parameters())
@@ -67,7 +78,10 @@ def load_named_weights(
         if ckpt_name in ignore or any(s in ckpt_name for s in skip_substrings):
             continue
         name, shard_id = ckpt_name, None
-        for rule in stacked:
+        mapped = name_mapper(ckpt_name) if name_mapper is not None else None
+        if mapped is not None:
+            name, shard_id = mapped
+        for rule in () if mapped is not None else stacked:
             if rule.source in ckpt_name:
                 name, shard_id = ckpt_name.replace(rule.source, rule.target), rule.shard_id
                 break

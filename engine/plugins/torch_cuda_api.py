@@ -23,6 +23,7 @@ class TorchCudaApiPlatform(Platform):
 
     device_type = "cuda"
     dist_backend = "nccl"
+    ray_device_key = "GPU"  # the Ray resource one rank reserves
 
     def supported_dtypes(self) -> list[torch.dtype]:
         import torch
@@ -36,6 +37,15 @@ class TorchCudaApiPlatform(Platform):
         import torch
 
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Device ``local_rank`` becomes this process's current device."""
+        import torch
+
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(f"local rank {local_rank} needs a device, but {count} are visible")
+        torch.cuda.set_device(local_rank)
 
     def total_memory_bytes(self) -> int:
         import torch
@@ -70,6 +80,16 @@ class TorchCudaApiPlatform(Platform):
         from engine.kernels.triton_backend import TritonAttentionBackend
 
         return [TritonAttentionBackend]
+
+    def fused_moe_kernels(self) -> list[type[Any]]:
+        """``[TritonFusedMoEKernel]`` (a FusedMoEKernel) when triton imports, else []."""
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return []
+        from engine.kernels.fused_moe import TritonFusedMoEKernel
+
+        return [TritonFusedMoEKernel]
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import NcclCommunicator

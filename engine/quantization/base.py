@@ -30,6 +30,12 @@ from engine.core.interfaces import (
 )
 from engine.model_executor.layers.linear import ParamLayout, param_layout
 
+# Per fused shard: the scale group of each input feature (GPTQ / compressed-tensors g_idx),
+# and a stored [out_features, in_features]; tensor-parallel shards rewrite both.
+GROUP_INDEX = ParamLayout(output_dim=None, input_dim=1, per_shard=True, values="group_index")
+FEATURE_SHAPE = ParamLayout(output_dim=None, input_dim=None, per_shard=True,
+                            values="feature_shape")
+
 
 def add_param(layer: nn.Module, name: str, shape: Sequence[int], dtype: torch.dtype,
               layout: ParamLayout) -> nn.Parameter:

@@ -32,9 +32,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.core.interfaces import ActivationQuant, QuantizedLayerSpec, QuantizedWeights, QuantMethod
+from engine.core.interfaces import (
+    ActivationQuant,
+    QuantizedLayerSpec,
+    QuantizedWeights,
+    QuantMethod,
+)
 from engine.model_executor.layers.linear import DENSE_WEIGHT, ParamLayout
 from engine.quantization.base import (
+    FEATURE_SHAPE,
+    GROUP_INDEX,
     QuantizedLinearMethod,
     add_param,
     check_whole_blocks,
@@ -188,10 +195,10 @@ class IntWeightOnly(_CTMethod):
         if not w.symmetric:
             add_param(layer, "weight_zero_point", (out_features // per_word, groups), torch.int32,
                       ParamLayout(0, 1, packed_dim=0, packed_factor=per_word))
-        add_param(layer, "weight_shape", (num_shards(layer), 2), torch.int64, PER_SHARD)
+        add_param(layer, "weight_shape", (num_shards(layer), 2), torch.int64, FEATURE_SHAPE)
         if w.actorder == "group":
             add_param(layer, "weight_g_idx", (num_shards(layer), in_features), torch.int32,
-                      PER_SHARD)
+                      GROUP_INDEX)
 
     def decode(self, layer):
         w = self.s.weights

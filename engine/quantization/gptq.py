@@ -22,6 +22,7 @@ import torch
 from engine.core.interfaces import QuantizedLayerSpec, QuantizedWeights, QuantMethod
 from engine.model_executor.layers.linear import ParamLayout
 from engine.quantization.base import (
+    GROUP_INDEX,
     QuantizedLinearMethod,
     add_param,
     num_shards,
@@ -55,7 +56,7 @@ class GPTQLinearMethod(QuantizedLinearMethod):
         add_param(layer, "qzeros", (groups, out_features // per_word), torch.int32,
                   ParamLayout(1, 0, packed_dim=1, packed_factor=per_word))
         add_param(layer, "scales", (groups, out_features), torch.float32, ParamLayout(1, 0))
-        add_param(layer, "g_idx", (num_shards(layer), in_features), torch.int32, PER_SHARD)
+        add_param(layer, "g_idx", (num_shards(layer), in_features), torch.int32, GROUP_INDEX)
 
     def decode(self, layer):
         bits = self.config.bits

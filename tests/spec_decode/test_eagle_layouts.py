@@ -258,8 +258,8 @@ def test_head_of_another_hidden_size_is_refused_before_loading(target, tmp_path,
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    import engine.model_executor.executor as executor
     import engine.model_executor.model_loader as loader
+    import engine.model_executor.worker as executor
 
     for module in (loader, executor):  # the draft's loader, the target's
         monkeypatch.setattr(module, "load_model", no_loading)

@@ -49,8 +49,8 @@ def resolve(target: Path | None, spec) -> object:
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Fail the test if a model's weights start loading."""
-    import engine.model_executor.executor as executor
     import engine.model_executor.model_loader as loader
+    import engine.model_executor.worker as executor
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the speculative config was checked")

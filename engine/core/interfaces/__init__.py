@@ -14,6 +14,7 @@ from engine.core.interfaces.communicator import Communicator
 from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.graphs import ForwardGraph, ForwardGraphCapturer, GraphCaptureError
+from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
 from engine.core.interfaces.platform import Platform, ProbeResult
 from engine.core.interfaces.quant import (
     ActivationQuant,
@@ -39,8 +40,10 @@ __all__ = [
     "DenseLayerSpec",
     "ForwardGraph",
     "ForwardGraphCapturer",
+    "FusedMoEKernel",
     "FusedOps",
     "GraphCaptureError",
+    "MoELayerSpec",
     "Platform",
     "ProbeResult",
     "QuantMethod",

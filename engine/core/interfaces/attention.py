@@ -13,6 +13,16 @@ its context of ``seq_lens[r]`` tokens, so query row ``i`` sits at position
 ``seq_lens[r] - query_len + i`` and attends causally to keys ``0 ..= that position``
 (restricted to the last ``sliding_window`` keys when a window is set). Prefill chunks and
 single-token decodes mix freely in one batch.
+
+Multi-head latent attention (MLA, DeepSeek-V2/V3) is a second layer kind
+(``AttentionLayerSpec.kv_lora_rank`` set): the cache holds one latent entry per token,
+``kv_lora_rank + rope_dim`` wide (the compressed KV, then the rotated key part), shared
+by every head. The model absorbs the key up-projection into the queries, so attention is
+multi-query over those entries: a query row of ``head_size = kv_lora_rank + rope_dim``
+scores whole entries, and the values are the entries' first ``kv_lora_rank`` dims; the
+layer's output is ``[T, num_heads, kv_lora_rank]`` (the model applies the value
+up-projection). Its cache layout comes from :meth:`AttentionBackend.get_mla_kv_cache_shape`
+and costs ``block_size * entry_size * dtype bytes`` per block and layer.
 """
 
 from __future__ import annotations
@@ -60,6 +70,12 @@ class AttentionLayerSpec:
     scale: float
     sliding_window: int | None = None  # attend to at most this many most recent keys
     logits_soft_cap: float | None = None
+    # MLA: the latent width; head_size is then kv_lora_rank + rope dims, num_kv_heads 1.
+    kv_lora_rank: int | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
 
 class AttentionImpl(ABC):
@@ -77,7 +93,10 @@ class AttentionImpl(ABC):
         kv_cache: "torch.Tensor",  # this layer's cache, shape from get_kv_cache_shape
         metadata: Any,  # what the backend's build_metadata returned this step
     ) -> "torch.Tensor":  # [T, num_heads, head_size]
-        """Store key/value at ``slot_mapping`` and return causal attention output."""
+        """Store key/value at ``slot_mapping`` and return causal attention output.
+
+        MLA layers: ``key`` is the new tokens' latent entries ``[T, 1, head_size]``,
+        ``value`` is None, and the output is ``[T, num_heads, kv_lora_rank]``."""
 
 
 class AttentionBackend(ABC):
@@ -97,6 +116,14 @@ class AttentionBackend(ABC):
         """Shape of one layer's cache tensor (K and V together)."""
 
     @classmethod
+    def get_mla_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, entry_size: int
+    ) -> tuple[int, ...] | None:
+        """Shape of one MLA layer's cache (one latent entry per token); None: this
+        backend has no MLA kernels."""
+        return None
+
+    @classmethod
     def supported_head_sizes(cls) -> list[int] | None:
         """Head sizes the kernels handle; None means any."""
         return None
@@ -113,8 +140,14 @@ class AttentionBackend(ABC):
     @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
         """Why this backend cannot serve ``spec`` (None when it can)."""
+        if spec.is_mla:
+            if cls.get_mla_kv_cache_shape(1, block_size, spec.head_size) is None:
+                return f"{cls.name} has no multi-head latent attention (MLA) kernels"
+            if spec.num_kv_heads != 1 or spec.kv_lora_rank >= spec.head_size:
+                return (f"an MLA layer has one latent entry per token (num_kv_heads 1) wider "
+                        f"than its kv_lora_rank, not {spec.num_kv_heads} x {spec.head_size}")
         heads = cls.supported_head_sizes()
-        if heads is not None and spec.head_size not in heads:
+        if heads is not None and spec.head_size not in heads and not spec.is_mla:
             return f"{cls.name} supports head sizes {heads}, not {spec.head_size}"
         blocks = cls.supported_block_sizes()
         if blocks is not None and block_size not in blocks:

@@ -49,3 +49,29 @@ class Communicator(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Block until every rank arrives."""
+
+    def all_to_all(
+        self, tensor: "torch.Tensor", send_counts: list[int], recv_counts: list[int]
+    ) -> "torch.Tensor":
+        """Rows ``tensor[sum(send_counts[:j]) : ... + send_counts[j]]`` go to rank ``j``;
+        returns the rows every rank sent here, in rank order (``recv_counts[j]`` from
+        rank ``j``). Expert parallelism's dispatch and combine.
+
+        This portable version all-gathers every rank's rows (padded to the longest) and
+        keeps its own; communicators with a native all-to-all override it."""
+        import torch
+
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
+        if self.world_size == 1:
+            return tensor
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=tensor.device)
+        all_counts = self.all_gather(counts.unsqueeze(0), dim=0)  # [W, W]
+        longest = int(all_counts.sum(dim=1).max())
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        rows = self.all_gather(padded.unsqueeze(0), dim=0)  # [W, longest, ...]
+        starts = torch.cumsum(all_counts, dim=1) - all_counts  # [W, W]
+        parts = [rows[j, int(starts[j, self.rank]) : int(starts[j, self.rank])
+                      + int(all_counts[j, self.rank])] for j in range(self.world_size)]
+        return torch.cat(parts, dim=0)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine.core.interfaces.fused_ops import FusedOps
     from engine.core.interfaces.gemm import DenseGemmKernel
     from engine.core.interfaces.graphs import ForwardGraphCapturer
+    from engine.core.interfaces.moe import FusedMoEKernel
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
 
@@ -150,6 +151,11 @@ class Platform(ABC):
         """Kernels for unquantized linears in preference order (empty: ``F.linear``)."""
         return []
 
+    def fused_moe_kernels(self) -> list[type["FusedMoEKernel"]]:
+        """Fused mixture-of-experts kernels in preference order (empty: the portable
+        torch implementation of the MoE layer)."""
+        return []
+
     def fused_ops(self) -> "FusedOps | None":
         """Fused norm / activation / rotary kernels, or None (the layers' torch ops)."""
         return None
@@ -173,6 +179,15 @@ class Platform(ABC):
         variables a library reads once, when it loads: OpenMP's wait policy). Called for
         every installed platform, first thing in an engine-core process, before any
         probe has imported torch; must be cheap and never raise."""
+
+    # The Ray resource one rank of this platform reserves (None: one CPU).
+    ray_device_key: str | None = None
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Give a worker process its share of the node: ``local_rank`` of
+        ``local_world_size`` ranks on this machine (a GPU platform selects device
+        ``local_rank``; the CPU platform restricts the process to its share of the
+        cores). Called before :meth:`init_worker` in multi-rank engines only."""
 
     def init_worker(self, num_threads: int | None = None) -> None:
         """Process-wide setup of a process about to run models (threads and their

@@ -32,6 +32,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Tokens accepted since the executor last saw each request, for the ranks that do
+    # not sample (earlier pipeline stages); empty lists unless the executor asks for them.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -88,3 +91,6 @@ class ModelRunnerOutput:
     # Per request (batch order): drafts proposed for the next step; None when the
     # engine does not speculate.
     spec_token_ids: list[list[int]] | None = None
+    # MoE models: (token, choice) pairs each expert received this step, summed over the
+    # reporting rank's MoE layers (under pipeline stages: the last stage's); None: dense.
+    expert_load: list[int] | None = None

@@ -17,7 +17,13 @@ prefill, a decode is a grant of one token, speculative drafts are extra tokens.
    step that preempted, so the victims are not re-admitted at once); requests not ready
    (grammar compiling, remote KV in flight) are passed over without blocking others;
 3. the diff for the executor; then every scheduled request's ``num_computed_tokens``
-   advances by its grant. Advancing at schedule time (like vLLM V1) keeps the next
+   advances by its grant.
+
+With pipeline parallelism the engine keeps several steps in flight (one per stage): a
+request scheduled in a step whose output has not come back is *in flight* and is passed
+over by later ``schedule()`` calls, and never chosen as a preemption victim (its blocks
+are being written); ``update_from_output`` lands it again. The executor's ranks that do
+not sample then need the accepted tokens: ``send_new_token_ids`` puts them in the diff. Advancing at schedule time (like vLLM V1) keeps the next
    ``schedule()`` right even before outputs arrive; ``update_from_output`` only winds it
    back for rejected speculative drafts.
 
@@ -64,6 +70,7 @@ class _Step:
     """What one ``schedule()`` call has decided so far."""
 
     token_budget: int
+    max_reqs: int  # requests this step may hold (a micro-batch's share)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
@@ -90,6 +97,8 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         num_speculative_tokens: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
+        send_new_token_ids: bool = False,
+        num_micro_batches: int = 1,
     ) -> None:
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
@@ -125,6 +134,14 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Advances constrained requests' matchers and forgets them when they finish.
         self.structured_output_manager = structured_output_manager
+        # Scheduled in a step whose output has not been processed yet.
+        self.in_flight: set[str] = set()
+        # Tokens each request's executor state holds (send_new_token_ids only).
+        self.send_new_token_ids = send_new_token_ids
+        self._executor_num_tokens: dict[str, int] = {}
+        # Steps kept in flight (pipeline stages): each takes its share of the requests.
+        self.num_micro_batches = num_micro_batches
+        self._expert_load: list[int] | None = None  # MoE routing counts, this interval
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -197,7 +214,7 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(token_budget=self.max_num_batched_tokens)
+        step = _Step(token_budget=self.max_num_batched_tokens, max_reqs=self._micro_batch_seats())
         self._schedule_running(step)
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
@@ -206,8 +223,12 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         i = 0
-        while i < len(self.running) and step.token_budget > 0:
+        while (i < len(self.running) and step.token_budget > 0
+               and len(step.num_scheduled_tokens) < step.max_reqs):
             request = self.running[i]
+            if request.request_id in self.in_flight:
+                i += 1
+                continue
             if request.num_tokens > kv.max_num_tokens:
                 del self.running[i]
                 self._finish_ignored(request)
@@ -222,18 +243,30 @@ class Scheduler:
                 if block_ids is not None:
                     break
                 # The last running request has the lowest precedence and, being at or
-                # after index i, is not scheduled yet this step.
-                victim = self.running.pop()
+                # after index i, is not scheduled yet this step; in-flight ones are
+                # skipped (their step still writes their blocks).
+                victim_idx = self._victim_index(i)
+                if victim_idx is None:  # only in-flight requests could give blocks back
+                    return
+                victim = self.running.pop(victim_idx)
                 self._preempt(victim, step)
                 if victim is request:
                     return
             step.record(request, num_new, block_ids, is_new=False)
             i += 1
 
+    def _victim_index(self, first: int) -> int | None:
+        """The last running request at or after ``first`` that is not in flight."""
+        for j in range(len(self.running) - 1, first - 1, -1):
+            if self.running[j].request_id not in self.in_flight:
+                return j
+        return None
+
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         skipped: list[Request] = []
-        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs
+               and len(step.num_scheduled_tokens) < step.max_reqs):
             request = self.waiting.peek()
             if not self.is_ready(request):
                 skipped.append(self.waiting.pop())
@@ -262,6 +295,14 @@ class Scheduler:
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
+    def _micro_batch_seats(self) -> int:
+        """With several steps in flight each takes ``1 / num_micro_batches`` of the
+        requests that can run (rounded up), so every pipeline stage has work; else all."""
+        if self.num_micro_batches == 1:
+            return self.max_num_seqs
+        runnable = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-runnable // self.num_micro_batches))
+
     def _grant(self, request: Request, num_computed: int, token_budget: int) -> int:
         """The unified rule: how many of the request's pending tokens run this step."""
         num_new = min(request.num_tokens_with_spec - num_computed, token_budget)
@@ -282,6 +323,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: drop the blocks, start over from the waiting queue."""
         self.kv_cache_manager.free(request)
+        self._executor_num_tokens.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
@@ -326,10 +368,17 @@ class Scheduler:
             for r in step.new_reqs
         ]
         cached = CachedRequestData()
+        known = self._executor_num_tokens
         for r in step.cached_reqs:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(step.new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
+            if self.send_new_token_ids:
+                cached.new_token_ids.append(r.all_token_ids[known[r.request_id] : r.num_tokens])
+        if self.send_new_token_ids:
+            for r in (*step.new_reqs, *step.cached_reqs):
+                known[r.request_id] = r.num_tokens
+        self.in_flight.update(step.num_scheduled_tokens)
 
         spec_tokens: dict[str, list[int]] = {}
         for r in (*step.new_reqs, *step.cached_reqs):
@@ -368,6 +417,8 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = scheduler_output.num_scheduled_tokens
+        self.in_flight.difference_update(scheduled)
+        self._add_expert_load(model_runner_output.expert_load)
         spec = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.spec_token_ids
         finished: list[Request] = []
@@ -414,6 +465,14 @@ class Scheduler:
                 self._release(request)
         return outputs
 
+    def _add_expert_load(self, load: list[int] | None) -> None:
+        if not load:
+            return
+        if self._expert_load is None:
+            self._expert_load = list(load)
+        else:
+            self._expert_load = [a + b for a, b in zip(self._expert_load, load)]
+
     def _set_drafts(self, request: Request, drafts: list[int]) -> None:
         """Keep the drafts the next step can use: at most K, none past the request's
         ``max_tokens`` (the verification adds one token of its own) or ``max_model_len``."""
@@ -457,6 +516,7 @@ class Scheduler:
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
         self.kv_cache_manager.free(request)
+        self._executor_num_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.policy.forget(request)
         self.finished_req_ids.add(request.request_id)
@@ -474,7 +534,12 @@ class Scheduler:
             num_preemptions=num_preemptions,
             prefix_cache_requests=prefix.requests,
             spec=self._take_spec_stats(),
+            expert_load=self._take_expert_load(),
         )
+
+    def _take_expert_load(self) -> list[int] | None:
+        load, self._expert_load = self._expert_load, None
+        return load
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:
         stats = self._spec_stats

@@ -49,6 +49,8 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_requests: int = 0
     spec: SpecDecodingStats | None = None  # None when speculative decoding is off
+    # MoE: tokens routed to each expert since the previous make_stats (None: dense model).
+    expert_load: list[int] | None = None
 
 
     @property

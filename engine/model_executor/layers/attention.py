@@ -27,6 +27,8 @@ class Attention(nn.Module):
         attn_backend: AttentionBackend,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        cache_index: int | None = None,
+        kv_lora_rank: int | None = None,
     ) -> None:
         super().__init__()
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -40,6 +42,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.layer_idx = layer_idx
+        # This layer's cache among the rank's (a pipeline stage holds only its layers').
+        self.cache_index = layer_idx if cache_index is None else cache_index
         self.spec = AttentionLayerSpec(
             num_heads=num_heads,
             head_size=head_size,
@@ -47,6 +51,7 @@ class Attention(nn.Module):
             scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            kv_lora_rank=kv_lora_rank,
         )
         why = attn_backend.validate(self.spec, attn_backend.block_size)
         if why is not None:
@@ -55,14 +60,22 @@ class Attention(nn.Module):
             )
         self.impl = attn_backend.make_impl(self.spec)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """MHA: ``[T, H*D]`` out. MLA (``kv_lora_rank`` set): ``q [T, H*D]`` absorbed
+        queries, ``k [T, D]`` latent entries, no ``v``; ``[T, H, kv_lora_rank]`` out."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
+        if self.spec.is_mla:
+            return self.impl.forward(
+                q.view(num_tokens, self.num_heads, self.head_size),
+                k.view(num_tokens, 1, self.head_size), None,
+                ctx.kv_caches[self.cache_index], ctx.attn_metadata,
+            )
         out = self.impl.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),
-            ctx.kv_caches[self.layer_idx],
+            ctx.kv_caches[self.cache_index],
             ctx.attn_metadata,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

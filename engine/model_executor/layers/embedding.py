@@ -2,16 +2,65 @@
 
 Both store their matrix in ``weight_dtype`` (default: ``dtype``, the activations'); a
 narrower one (bf16 weights, float32 activations) is widened by the lookup and the GEMM.
+
+Vocab parallel (``tp`` of more than one rank): each rank holds ``ceil(vocab / tp)`` rows
+(:class:`VocabShard`; the last rank's tail is zero padding). The embedding looks up the ids
+its rows cover, zeroes the others and all-reduces; the LM head computes its rows' logits
+and all-gathers them, dropping the padding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.interfaces import DenseGemmKernel, DenseLayerSpec, FusedOps
-from engine.model_executor.layers.linear import default_weight_loader, dense_linear, dense_spec
+from engine.core.interfaces import Communicator, DenseGemmKernel, DenseLayerSpec, FusedOps
+from engine.model_executor.layers.linear import (
+    copy_checked,
+    default_weight_loader,
+    dense_linear,
+    dense_spec,
+    tp_rank_size,
+)
+from engine.model_executor.lazy_tensor import materialize
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rows ``[start, start + num_real)`` of the vocabulary, stored in ``num_rows`` rows
+    (the rest padding)."""
+
+    vocab_size: int
+    start: int
+    num_real: int
+    num_rows: int
+
+    @classmethod
+    def of(cls, vocab_size: int, tp: Communicator | None) -> VocabShard:
+        rank, size = tp_rank_size(tp)
+        rows = -(-vocab_size // size)
+        start = min(rank * rows, vocab_size)
+        return cls(vocab_size, start, max(0, min(rows, vocab_size - start)), rows)
+
+    @property
+    def sharded(self) -> bool:
+        return self.num_rows != self.vocab_size or self.start != 0
+
+    def loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None
+               ) -> None:
+        """Copy this shard's rows of a ``[vocab, ...]`` checkpoint tensor; zero the padding."""
+        if shard_id is not None:
+            raise ValueError(f"vocabulary parameter has no shard {shard_id!r}")
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} vocabulary rows, the "
+                             f"model expects {self.vocab_size}")
+        rows = materialize(loaded.narrow(0, self.start, self.num_real))
+        copy_checked(param[: self.num_real], rows, "vocabulary rows")
+        with torch.no_grad():
+            param[self.num_real :].zero_()
 
 
 class VocabEmbedding(nn.Module):
@@ -26,9 +75,12 @@ class VocabEmbedding(nn.Module):
         device: torch.device | str,
         fused_ops: FusedOps | None = None,
         weight_dtype: torch.dtype | None = None,
+        tp: Communicator | None = None,
     ) -> None:
         super().__init__()
         weight_dtype = weight_dtype or dtype
+        self.shard = VocabShard.of(num_embeddings, tp)
+        self.tp = tp if self.shard.sharded else None
         usable = fused_ops is not None and fused_ops.supports(dtype) and fused_ops.supports(
             weight_dtype)
         # The platform's lookup kernel (which a forward graph can replay), else F.embedding.
@@ -37,12 +89,21 @@ class VocabEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=weight_dtype, device=device),
+            torch.empty(self.shard.num_rows, embedding_dim, dtype=weight_dtype, device=device),
             requires_grad=False,
         )
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = self.shard.loader if self.tp else default_weight_loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(input_ids)
+        local = input_ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.num_real)
+        out = self._lookup(local.masked_fill(outside, 0))
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         fused = self.fused_ops
         if fused is not None and input_ids.dim() == 1 and input_ids.dtype == torch.int64:
             return fused.embedding(input_ids, self.weight, self.dtype)
@@ -66,20 +127,25 @@ class LMHead(nn.Module):
         device: torch.device | str,
         bias: bool = False,
         weight_dtype: torch.dtype | None = None,
+        tp: Communicator | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.dtype = dtype
+        self.shard = VocabShard.of(vocab_size, tp)
+        self.tp = tp if self.shard.sharded else None
+        loader = self.shard.loader if self.tp else default_weight_loader
+        rows = self.shard.num_rows
         self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=weight_dtype or dtype, device=device),
+            torch.empty(rows, hidden_size, dtype=weight_dtype or dtype, device=device),
             requires_grad=False,
         )
-        self.weight.weight_loader = default_weight_loader
+        self.weight.weight_loader = loader
         if bias:
             self.bias = nn.Parameter(
-                torch.empty(vocab_size, dtype=dtype, device=device), requires_grad=False
+                torch.empty(rows, dtype=dtype, device=device), requires_grad=False
             )
-            self.bias.weight_loader = default_weight_loader
+            self.bias.weight_loader = loader
         else:
             self.register_parameter("bias", None)
         self.tied = False
@@ -95,7 +161,10 @@ class LMHead(nn.Module):
         self.tied = True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return dense_linear(self, hidden, self.bias).float()
+        logits = dense_linear(self, hidden, self.bias).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
 
     def dense_weight_spec(self) -> DenseLayerSpec | None:
         """Packable unless tied: the embedding lookup needs the plain matrix, so a tied

@@ -4,16 +4,39 @@ A model class is ``cls(hf_config, ctx)`` with ``ctx`` a :class:`ModelInitContext
 it exposes ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` over a flat
 token batch, ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``,
 ``load_weights(weights) -> set[str]`` and ``kv_cache_spec() -> ModelKVSpec``.
+
+Under pipeline parallelism (``ctx.parallel.pp_size > 1``) a model builds only its stage's
+layers and ``forward(input_ids, positions, intermediate)`` takes the previous stage's
+:class:`IntermediateTensors` (None on the first stage) and returns them for the next stage
+(hidden states only from the last). A model that supports it sets
+``supports_pipeline_parallel = True``; tensor parallelism needs no declaration beyond
+building its layers with ``ctx.tp``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.core.interfaces import AttentionBackend, FusedOps
+from engine.core.interfaces import AttentionBackend, Communicator, FusedOps
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the residual stream, not yet added."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+    def stacked(self) -> torch.Tensor:
+        """``[2, T, hidden]``: one message for the point-to-point send."""
+        return torch.stack((self.hidden, self.residual))
+
+    @classmethod
+    def unstack(cls, buffer: torch.Tensor) -> IntermediateTensors:
+        return cls(buffer[0], buffer[1])
 
 
 @dataclass
@@ -30,8 +53,35 @@ class ModelInitContext:
     attn_backend: AttentionBackend
     quantization: Any = None  # engine.quantization.QuantizationPlan of a quantized checkpoint
     fused_ops: FusedOps | None = None  # the platform's norm/act/rotary kernels
-    parallel_config: Any = None  # tensor / pipeline parallel rank and sizes, later
+    parallel: Any = None  # engine.distributed.ParallelState; None: one rank
     weight_dtype: torch.dtype | None = None
+    moe_kernels: list = field(default_factory=list)  # the platform's FusedMoEKernel classes
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Experts placed whole on the TP ranks instead of sharded (--enable-expert-parallel)."""
+        return self.parallel is not None and self.parallel.layout.enable_expert_parallel
+
+    @property
+    def tp(self) -> Communicator | None:
+        """The tensor-parallel group the sharded layers reduce over (None: one rank)."""
+        if self.parallel is None or self.parallel.tp_size == 1:
+            return None
+        return self.parallel.tp
+
+    def stage_layers(self, num_layers: int) -> range:
+        """The decoder layers this rank builds (all of them without pipeline stages)."""
+        if self.parallel is None:
+            return range(num_layers)
+        return self.parallel.layout.stage_layers(num_layers)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.parallel is None or self.parallel.layout.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.parallel is None or self.parallel.layout.is_last_stage
 
     def linear_method(self, *prefixes: str) -> Any:
         """The quant_method of the linear layer built from the checkpoint modules
@@ -55,6 +105,8 @@ class ModelKVSpec:
     num_kv_heads: int
     head_size: int
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    # MLA: one latent entry of head_size per token (num_kv_heads 1), no separate values.
+    mla: bool = False
 
     @property
     def sliding_window(self) -> int | None:

@@ -7,6 +7,13 @@ and which layers use a sliding window.
 
 Parameter layout: q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``
 (one GEMM each); ``load_weights`` fuses HF checkpoint tensors at load time.
+
+Tensor parallel: q/k/v and gate/up are column parallel, o_proj and down_proj row parallel
+(one all-reduce after attention, one after the MLP), the embedding and LM head vocab
+parallel. Pipeline parallel: a stage builds its layer range (the other indices hold
+:class:`PPMissingLayer`, so parameter names stay the checkpoint's), the first stage the
+embedding, the last the final norm and the LM head (a tied head then loads the
+embedding's tensor itself).
 """
 
 from __future__ import annotations
@@ -21,14 +28,18 @@ from torch import nn
 from engine.model_executor.layers.activation import get_act_and_mul
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
-from engine.model_executor.layers.linear import MergedLinear, QKVLinear, ReplicatedLinear
+from engine.model_executor.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from engine.model_executor.layers.norm import RMSNorm
 from engine.model_executor.layers.rotary import (
     RopeInputs,
     RotaryEmbedding,
     rope_scaling_from_config,
 )
-from engine.model_executor.models.interface import ModelInitContext, ModelKVSpec
+from engine.model_executor.models.interface import (
+    IntermediateTensors,
+    ModelInitContext,
+    ModelKVSpec,
+)
 from engine.model_executor.weight_utils import StackedParam, load_named_weights
 
 STACKED_PARAMS = (
@@ -76,18 +87,24 @@ def layer_type_windows(hf_config: Any) -> tuple[int | None, ...]:
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP; ``intermediate_size`` overrides the config's (a MoE layer's shared
+    expert), ``reduce_results`` False leaves the TP all-reduce to the caller."""
+
     def __init__(
-        self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions, prefix: str
+        self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions, prefix: str,
+        intermediate_size: int | None = None, reduce_results: bool = True,
     ) -> None:
         super().__init__()
-        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        hidden = hf_config.hidden_size
+        inter = intermediate_size or hf_config.intermediate_size
         common = {**ctx.matrix_dtypes, "device": ctx.device}
         self.gate_up_proj = MergedLinear(
-            hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common,
+            hidden, {0: inter, 1: inter}, bias=opts.mlp_bias, **common, tp=ctx.tp,
             quant_method=ctx.linear_method(f"{prefix}.gate_proj", f"{prefix}.up_proj"),
         )
-        self.down_proj = ReplicatedLinear(
-            inter, hidden, bias=opts.mlp_bias, **common,
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=opts.mlp_bias, **common, tp=ctx.tp,
+            reduce_results=reduce_results,
             quant_method=ctx.linear_method(f"{prefix}.down_proj"),
         )
         self.act_fn = get_act_and_mul(hf_config.hidden_act, ctx.fused_ops, ctx.dtype)
@@ -106,23 +123,27 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         self.head_size = opts.head_size
         common = {**ctx.matrix_dtypes, "device": ctx.device}
         prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVLinear(
             hf_config.hidden_size,
             self.head_size,
-            self.num_heads,
-            self.num_kv_heads,
+            num_heads,
+            num_kv_heads,
             bias=opts.qkv_bias,
             **common,
+            tp=ctx.tp,
             quant_method=ctx.linear_method(*(f"{prefix}.{p}_proj" for p in "qkv")),
         )
-        self.o_proj = ReplicatedLinear(
-            self.num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias,
-            **common, quant_method=ctx.linear_method(f"{prefix}.o_proj"),
+        # This rank's heads (all of them on one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_size, hf_config.hidden_size, bias=opts.o_proj_bias,
+            **common, tp=ctx.tp, quant_method=ctx.linear_method(f"{prefix}.o_proj"),
         )
         if opts.qk_norm:
             norm = {"dtype": ctx.dtype, "device": ctx.device, "fused_ops": ctx.fused_ops}
@@ -139,6 +160,7 @@ class LlamaAttention(nn.Module):
             layer_idx,
             ctx.attn_backend,
             sliding_window=opts.window(layer_idx),
+            cache_index=layer_idx - ctx.stage_layers(hf_config.num_hidden_layers).start,
         )
 
     def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -167,12 +189,19 @@ class LlamaDecoderLayer(nn.Module):
         opts: DecoderOptions,
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
+        make_mlp: Any = None,
+        make_attention: Any = None,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         common = {"dtype": ctx.dtype, "device": ctx.device}
-        self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(hf_config, ctx, opts, f"model.layers.{layer_idx}.mlp")
+        self.self_attn = (make_attention or LlamaAttention)(hf_config, ctx, opts, layer_idx,
+                                                           rotary_emb)
+        # The feed-forward block under its checkpoint name ("mlp", Mixtral's
+        # "block_sparse_moe"): a dense MLP or a mixture of experts.
+        make_mlp = make_mlp or LlamaForCausalLM.make_mlp
+        self.mlp_name, mlp = make_mlp(hf_config, ctx, opts, layer_idx)
+        self.add_module(self.mlp_name, mlp)
         common = {**common, "fused_ops": ctx.fused_ops}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
@@ -187,40 +216,65 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class PPMissingLayer(nn.Module):
+    """The place of a module another pipeline stage holds (no parameters)."""
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions) -> None:
+    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
+                 make_mlp: Any = None, make_attention: Any = None) -> None:
         super().__init__()
         common = {"dtype": ctx.dtype, "device": ctx.device}
         fused = {"fused_ops": ctx.fused_ops}
-        self.embed_tokens = VocabEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
-            device=ctx.device, **fused,
-        )
+        self.is_first_stage, self.is_last_stage = ctx.is_first_stage, ctx.is_last_stage
+        self.embed_tokens: nn.Module = PPMissingLayer()
+        if self.is_first_stage:
+            self.embed_tokens = VocabEmbedding(
+                hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
+                device=ctx.device, **fused, tp=ctx.tp,
+            )
         rotary_emb = RotaryEmbedding(
             opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
         )
         self.rotary_emb = rotary_emb  # shared by every layer
+        self.stage_layers = ctx.stage_layers(hf_config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb)
+            LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb, make_mlp, make_attention)
+            if i in self.stage_layers else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common, **fused)
+        self.norm: nn.Module = PPMissingLayer()
+        if self.is_last_stage:
+            self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common, **fused)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb.prepare(positions)  # once per forward, for every layer
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+        for i in self.stage_layers:
+            hidden, residual = self.layers[i](rope, hidden, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, hidden if residual is None else residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama; also the base of the other family members (override ``decoder_options``)."""
+
+    supports_pipeline_parallel = True
+    attention_cls: Any = None  # None: LlamaAttention (MLA models name theirs)
+    stacked_params: tuple[StackedParam, ...] = STACKED_PARAMS
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
@@ -232,19 +286,39 @@ class LlamaForCausalLM(nn.Module):
                 f"config gives {len(windows)} layer types for {hf_config.num_hidden_layers} layers"
             )
         self.vocab_size = hf_config.vocab_size
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or (
-            hf_config.num_attention_heads
-        )
         self.head_size = self.opts.head_size
+        self.activation_dtype = ctx.dtype  # what a pipeline stage hands the next
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
-        self.model = LlamaModel(hf_config, ctx, self.opts)
-        self.lm_head = LMHead(
-            hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes, device=ctx.device
-        )
-        if getattr(hf_config, "tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = LlamaModel(hf_config, ctx, self.opts, self.make_mlp, self.attention_cls)
+        self.stage_layers = self.model.stage_layers
+        self.num_layers = len(self.stage_layers)  # this rank's (its KV caches)
+        first = self.model.layers[self.stage_layers.start]
+        self.num_kv_heads = first.self_attn.num_kv_heads  # this rank's
+        self.lm_head: nn.Module = PPMissingLayer()
+        # A tied head on a stage without the embedding loads the embedding's tensor.
+        self.head_reads_embedding = False
+        if ctx.is_last_stage:
+            self.lm_head = LMHead(
+                hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
+                device=ctx.device, tp=ctx.tp,
+            )
+            if getattr(hf_config, "tie_word_embeddings", False):
+                if ctx.is_first_stage:
+                    self.lm_head.tie_to(self.model.embed_tokens)
+                else:
+                    self.head_reads_embedding = True
+
+    @classmethod
+    def make_mlp(cls, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
+                 layer_idx: int) -> tuple[str, nn.Module]:
+        """Layer ``layer_idx``'s feed-forward block and its checkpoint name (MoE members
+        of the family override this)."""
+        return "mlp", LlamaMLP(hf_config, ctx, opts, f"model.layers.{layer_idx}.mlp")
+
+    def load_name_mapper(self):
+        """Checkpoint names that carry a shard id themselves (MoE experts); None here."""
+        return None
 
     @classmethod
     def decoder_options(cls, hf_config: Any) -> DecoderOptions:
@@ -256,31 +330,65 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def kv_cache_spec(self) -> ModelKVSpec:
-        windows = self.opts.sliding_windows or (None,) * self.num_layers
-        return ModelKVSpec(self.num_layers, self.num_kv_heads, self.head_size, tuple(windows))
+        windows = self.opts.sliding_windows or (None,) * self.config.num_hidden_layers
+        mine = tuple(windows[i] for i in self.stage_layers)
+        return ModelKVSpec(self.num_layers, self.num_kv_heads, self.head_size, mine)
+
+    def _other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) not in self.stage_layers
+        if name.startswith("model.embed_tokens."):
+            return not (self.model.is_first_stage or self.head_reads_embedding)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return not self.model.is_last_stage
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; an absent ``lm_head.weight`` ties the head to the embedding."""
-        tied = self.lm_head.tied
+        """Load HF-named tensors; an absent ``lm_head.weight`` ties the head to the
+        embedding. Tensors of other pipeline stages are skipped unread."""
+        head = self.lm_head if isinstance(self.lm_head, LMHead) else None
+        tied = head is not None and (head.tied or self.head_reads_embedding)
+        has_embedding = isinstance(self.model.embed_tokens, VocabEmbedding)
+
+        def mine() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if self._other_stage(name):
+                    continue
+                if name == "model.embed_tokens.weight" and self.head_reads_embedding:
+                    yield "lm_head.weight", tensor
+                    if not has_embedding:
+                        continue
+                yield name, tensor
+
         loaded = load_named_weights(
             self,
-            weights,
-            stacked=STACKED_PARAMS,
+            mine(),
+            stacked=self.stacked_params,
             skip_substrings=SKIPPED_TENSORS,
-            ignore={"lm_head.weight"} if tied else (),
-            optional=() if tied else {"lm_head.weight"},
+            ignore={"lm_head.weight"} if tied and not self.head_reads_embedding else (),
+            optional=() if tied or head is None else {"lm_head.weight"},
+            name_mapper=self.load_name_mapper(),
         )
-        if not tied and "lm_head.weight" not in loaded:
+        if head is not None and not tied and "lm_head.weight" not in loaded:
+            if not has_embedding:
+                raise ValueError("checkpoint lacks lm_head.weight (a pipeline stage without "
+                                 "the embedding cannot tie its head to it)")
             if "model.embed_tokens.weight" not in loaded:
                 raise ValueError("checkpoint lacks both lm_head.weight and the embedding")
-            self.lm_head.tie_to(self.model.embed_tokens)
+            head.tie_to(self.model.embed_tokens)
         return loaded
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         Communicator,
         DenseGemmKernel,
         ForwardGraphCapturer,
+        FusedMoEKernel,
         FusedOps,
         QuantizedGemmKernel,
     )
@@ -174,6 +175,23 @@ class CPUPlatform(Platform):
 
         prepare_openmp_environment()
 
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Restrict this process to its share of the allowed CPUs (consecutive ranges, so
+        ranks do not fight over cores; with more ranks than CPUs they share round-robin);
+        the thread plan then sizes itself to the share."""
+        from engine.plugins.cpu.threads import allowed_cpus
+
+        cpus = allowed_cpus()
+        if len(cpus) >= local_world_size:
+            per = len(cpus) // local_world_size
+            share = cpus[local_rank * per : (local_rank + 1) * per]
+        else:
+            share = [cpus[local_rank % len(cpus)]]
+        try:
+            os.sched_setaffinity(0, share)
+        except (AttributeError, OSError) as exc:
+            logger.warning("rank %d: cannot restrict to CPUs %s (%s)", local_rank, share, exc)
+
     def init_worker(self, num_threads: int | None = None) -> None:
         """Threads, their pinning and their wait policy (the reasoning is in
         :mod:`engine.plugins.cpu.threads`), and the heap settings that keep a forward's
@@ -274,6 +292,11 @@ class CPUPlatform(Platform):
             info["error"] = "C kernels disabled (ENGINE_CPU_NATIVE_KERNELS=0)"
         info["cpu_model"] = kernel_build.cpu_model_name()
         return info
+
+    def fused_moe_kernels(self) -> list[type[FusedMoEKernel]]:
+        from engine.plugins.cpu.fused_moe import CPUFusedMoE
+
+        return [CPUFusedMoE]
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import GlooCommunicator

@@ -73,10 +73,21 @@ class XPUPlatform(Platform):
 
         return [torch.bfloat16, torch.float16, torch.float32]
 
+    ray_device_key = "GPU"  # Ray counts Intel GPUs as GPU resources too
+
     def device(self, index: int | None = None) -> torch.device:
         import torch
 
         return torch.device("xpu", torch.xpu.current_device() if index is None else index)
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Device ``local_rank`` becomes this process's current XPU."""
+        import torch
+
+        count = torch.xpu.device_count()
+        if local_rank >= count:
+            raise ValueError(f"local rank {local_rank} needs a device, but {count} are visible")
+        torch.xpu.set_device(local_rank)
 
     def _mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of the current device."""
@@ -117,6 +128,16 @@ class XPUPlatform(Platform):
         from engine.kernels.triton_backend import TritonAttentionBackend
 
         return [TritonAttentionBackend]
+
+    def fused_moe_kernels(self) -> list[type[Any]]:
+        """``[TritonFusedMoEKernel]`` (a FusedMoEKernel) when triton imports, else []."""
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return []
+        from engine.kernels.fused_moe import TritonFusedMoEKernel
+
+        return [TritonFusedMoEKernel]
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import TorchDistributedCommunicator

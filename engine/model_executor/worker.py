@@ -1,0 +1,188 @@
+"""One rank's model, KV cache and runner: what every executor drives.
+
+The single-process executor holds one :class:`Worker` in its own process; the
+multi-process and Ray executors run one per rank (``engine.model_executor.worker_proc``).
+A worker's life: ``load()`` (weights of its shard; returns how many KV blocks it could
+hold), ``initialize_cache(num_blocks)`` (the engine-wide count: the smallest over the
+ranks), then ``execute_model`` once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.interfaces import Platform
+from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from engine.model_executor import kernel_report
+from engine.model_executor.model_loader import load_model
+from engine.model_executor.model_runner import KVCacheSpec, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def activation_dtype(config: EngineConfig, platform: Platform, dtype: torch.dtype) -> torch.dtype:
+    """What the model computes in: the config's activation dtype, else for ``--dtype
+    auto`` the platform's choice for these weights (recorded in the config), else the
+    weights' own dtype."""
+    model = config.model
+    if model.activation_dtype is not None:
+        return getattr(torch, model.activation_dtype)
+    if not model.dtype_is_auto:
+        return dtype
+    activation = platform.activation_dtype(dtype)
+    model.activation_dtype = str(activation).removeprefix("torch.")
+    return activation
+
+
+def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any = None
+                        ) -> tuple[torch.nn.Module, Any]:
+    """The model of ``config`` loaded for ``platform``: its dtypes checked, its linears on
+    the platform's dense and quantized GEMM kernels, its layers on the platform's fused
+    ops and attention backend (returned too). ``parallel``: this rank's shard only."""
+    dtype = getattr(torch, config.model.dtype)
+    activation = activation_dtype(config, platform, dtype)
+    for wanted in {dtype, activation}:
+        why = platform.check_dtype(wanted)
+        if why:
+            raise ValueError(why)
+    backend_cls = platform.get_attention_backend(config.device.attention_backend)
+    attn_backend = backend_cls(config.cache.block_size, platform.device())
+    model = load_model(
+        config.model.model, dtype, platform.device(), attn_backend,
+        quantization=config.model.quantization,
+        dense_gemm_kernels=platform.dense_gemm_kernels(),
+        quantized_gemm_kernels=platform.quantized_gemm_kernels(),
+        fused_ops=platform.fused_ops(),
+        activation_dtype=activation,
+        parallel=parallel,
+        fused_moe_kernels=platform.fused_moe_kernels(),
+    )
+    return model, attn_backend
+
+
+class Worker:
+    """The model shard of one rank (``parallel`` None: the whole model, one rank)."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, parallel: Any = None,
+                 num_threads: int | None = None) -> None:
+        self.config = config
+        self.num_threads = num_threads if num_threads is not None else config.device.num_threads
+        self.platform = platform
+        self.parallel = parallel
+        self.layout = None if parallel is None else parallel.layout
+        self.runner: ModelRunner | None = None
+        self.proposer = None
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.layout is None or self.layout.is_output_rank
+
+    def load(self) -> int:
+        """Load this rank's weights (and a draft model); how many KV blocks fit here."""
+        config, platform = self.config, self.platform
+        platform.check_and_update_config(config)
+        platform.init_worker(self.num_threads)
+        platform.seed_everything(config.model.seed)
+        dtype = getattr(torch, config.model.dtype)
+        self.model, self.attn_backend = load_platform_model(config, platform, self.parallel)
+        self.weights_bytes = kernel_report.weight_bytes(self.model)
+        spec = self.model.kv_cache_spec()
+        # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
+        # float32 keeps bf16 K/V, which the attention kernels widen as they read.
+        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size, dtype,
+                                   mla=spec.mla)
+        from engine.spec_decode.factory import build_proposer
+
+        self.proposer = build_proposer(
+            config, platform, self.model, dtype, activation_dtype(config, platform, dtype)
+        )
+        # A draft's KV cache shares the block ids: every block costs both.
+        self.draft_kv_spec = None if self.proposer is None else self.proposer.kv_cache_spec()
+        draft_model = getattr(self.proposer, "model", None)
+        if draft_model is not None:  # each tensor once: an EAGLE head shares the target's
+            self.weights_bytes = kernel_report.weight_bytes(
+                torch.nn.ModuleList([self.model, draft_model]))
+        return self.kv_block_capacity()
+
+    def kv_block_bytes(self) -> int:
+        block_size = self.config.cache.block_size
+        block_bytes = self.kv_spec.block_bytes(block_size)
+        if self.draft_kv_spec is not None:
+            block_bytes += self.draft_kv_spec.block_bytes(block_size)
+        return block_bytes
+
+    def kv_block_capacity(self) -> int:
+        """KV blocks this rank's memory budget holds (each rank holds only its heads and
+        its stage's layers, so a block costs a rank 1/(tp x pp) of the whole)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        return self.platform.kv_cache_bytes(cache, self.weights_bytes) // self.kv_block_bytes()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        config = self.config
+        sched = config.scheduler
+        # Forward graphs record one rank's kernels; collectives and stage hand-offs run
+        # between them, which no capturer here records: parallel ranks run eagerly.
+        eager = config.model.enforce_eager or (self.layout is not None
+                                               and self.layout.world_size > 1)
+        self.runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            self.platform,
+            vocab_size=self.model.vocab_size,
+            max_num_reqs=sched.max_num_seqs,
+            max_model_len=sched.max_model_len,
+            block_size=config.cache.block_size,
+            enforce_eager=eager,
+            proposer=self.proposer,
+            parallel=self.parallel,
+        )
+        self.runner.allocate_kv_cache(self.kv_spec, num_blocks)
+        self.num_blocks = num_blocks
+        logger.info(
+            "%splatform %s, attention %s, %.1f MiB weights, %d KV blocks of %d tokens",
+            "" if self.layout is None else
+            f"rank {self.layout.rank} (tp {self.layout.tp_rank}, pp {self.layout.pp_rank}): ",
+            self.platform.name, self.attn_backend.name, self.weights_bytes / 2**20,
+            num_blocks, config.cache.block_size,
+        )
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
+    ) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output, grammar_bitmask)
+
+    def runtime_info(self) -> dict[str, Any]:
+        """What this rank runs with (benchmark reports): platform, dtypes, attention
+        backend, quantization and weight bytes, the GEMM kernel of every linear (counted,
+        and per layer type), forward graphs, and the platform's own kernel_info (the
+        CPU's ISA level)."""
+        model = self.config.model
+        layers = kernel_report.report(self.model)
+        return {
+            "platform": self.platform.name,
+            "attention_backend": self.attn_backend.name,
+            "weight_dtype": model.dtype,
+            "quantization": layers["quantization"],
+            "weights_mib": layers["weights_mib"],
+            "activation_dtype": model.activation_dtype or model.dtype,
+            "kv_cache_dtype": str(self.kv_spec.dtype).removeprefix("torch."),
+            "gemm_kernels": layers["gemm_kernels"],
+            "layer_kernels": layers["layer_kernels"],
+            "forward_graphs": self.runner.decode_graphs is not None,
+            "speculative": self._speculative_info(),
+            **self.platform.kernel_info(),
+        }
+
+    def _speculative_info(self) -> dict[str, Any] | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        return {"method": spec.method, "model": spec.model,
+                "num_speculative_tokens": spec.num_speculative_tokens,
+                **self.proposer.runtime_info()}
