@@ -74,6 +74,10 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_num_accepted_tokens_per_pos_total: list[int] = msgspec.field(default_factory=list)
+    # MoE models: (token, choice) pairs routed to each expert, and the expert-parallel
+    # size the experts are spread over (consecutive experts per rank); empty: dense.
+    moe_expert_tokens_total: list[int] = msgspec.field(default_factory=list)
+    moe_expert_parallel_size: int = 1
     # The core's grammar compiles (engine.structured_output.stats.CompileStats.snapshot):
     # cumulative time histogram and cache hits / misses.
     structured_output: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -97,6 +101,23 @@ class EngineCoreStats(msgspec.Struct, gc=False):
             per_pos.extend([0] * extra)
         for pos, accepted in enumerate(interval.num_accepted_tokens_per_pos):
             per_pos[pos] += accepted
+
+    def add_expert_load(self, load: list[int]) -> None:
+        totals = self.moe_expert_tokens_total
+        if len(totals) < len(load):
+            totals.extend([0] * (len(load) - len(totals)))
+        for expert, count in enumerate(load):
+            totals[expert] += count
+
+    def moe_rank_tokens_total(self) -> list[int]:
+        """The expert counts summed per expert-parallel rank (rank r owns the r-th
+        consecutive run of experts)."""
+        size = self.moe_expert_parallel_size
+        totals = self.moe_expert_tokens_total
+        if not totals or size <= 1 or len(totals) % size:
+            return []
+        per = len(totals) // size
+        return [sum(totals[r * per : (r + 1) * per]) for r in range(size)]
 
     def spec_decoding_stats(self) -> SpecDecodingStats | None:
         """The cumulative speculative counts in the scheduler's shape (for its rates);

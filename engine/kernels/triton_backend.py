@@ -1,10 +1,12 @@
 """The Triton attention backend shared by the GPU plugins (and the CPU platform in tests).
 
 KV cache layout: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` in the model dtype (index 0 = K, 1 = V). Each layer's ``forward`` writes the
+head_size]`` in the model dtype (index 0 = K, 1 = V); an MLA layer's is ``[num_blocks,
+block_size, entry_size]``, one latent entry per token. Each layer's ``forward`` writes the
 step's new K/V rows (``reshape_and_cache``) and then runs ``unified_attention`` over the
-cache; whether long decodes split their keys over several programs (split-KV) is decided
-once per step in :meth:`TritonAttentionBackend.build_metadata`.
+cache (MLA layers: ``mla_write_cache`` and ``mla_attention``, in
+:mod:`engine.kernels.mla_attention`); whether long decodes split their keys over several
+programs (split-KV) is decided once per step in :meth:`TritonAttentionBackend.build_metadata`.
 
 Forcing split-KV (tests, and comparing both paths on a GPU): the constructor argument
 ``num_kv_splits=n``, or the environment variable ``ENGINE_TRITON_NUM_KV_SPLITS=n`` read
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 MIN_HEAD_SIZE = 16
 MAX_HEAD_SIZE = 256  # beyond this the fp32 accumulator tile no longer fits in registers
 NUM_KV_SPLITS_ENV = "ENGINE_TRITON_NUM_KV_SPLITS"
+# MLA: the fp32 accumulator is [rows, kv_lora_rank] (DeepSeek-V2/V3: 512 + 64 rope dims)
+MLA_MAX_LORA_RANK = 512
+MLA_MAX_ROPE_DIM = 128
 
 
 def forced_num_kv_splits_from_env() -> int | None:
@@ -113,6 +118,41 @@ class TritonAttentionImpl(AttentionImpl):
         )
 
 
+class TritonMLAAttentionImpl(AttentionImpl):
+    """One MLA layer: store this step's latent entries, then attend over them (key: the
+    entries ``[T, 1, D]``, value: None; output ``[T, num_heads, kv_lora_rank]``)."""
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        super().__init__(spec)
+        from engine.kernels.mla_attention import mla_attention, mla_write_cache
+
+        self._write_cache = mla_write_cache
+        self._attention = mla_attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        """``key`` None: the entries are already stored."""
+        if key is not None:
+            self._write_cache(key, kv_cache, metadata.slot_mapping)
+        spec = self.spec
+        return self._attention(
+            query,
+            kv_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            spec.kv_lora_rank,
+            spec.scale,
+        )
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in portable Triton: any block size, head sizes 16..256, GQA."""
 
@@ -151,6 +191,12 @@ class TritonAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def get_mla_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, entry_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, entry_size)
+
+    @classmethod
     def supported_head_sizes(cls) -> list[int] | None:
         return list(range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1))
 
@@ -161,6 +207,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
+        if spec.is_mla:
+            return cls._validate_mla(spec, block_size)
         if not MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE:
             return (
                 f"{cls.name} supports head sizes {MIN_HEAD_SIZE}..{MAX_HEAD_SIZE}, "
@@ -174,6 +222,23 @@ class TritonAttentionBackend(AttentionBackend):
         if block_size < 1:
             return f"{cls.name} needs a positive block size, not {block_size}"
         return super().validate(spec, block_size)
+
+    @classmethod
+    def _validate_mla(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
+        if spec.sliding_window or spec.logits_soft_cap:
+            return f"{cls.name} MLA attention has no sliding window or logits soft cap"
+        if block_size < 1:
+            return f"{cls.name} needs a positive block size, not {block_size}"
+        reason = super().validate(spec, block_size)  # one entry per token, wider than L
+        if reason is not None:
+            return reason
+        rope_dim = spec.head_size - spec.kv_lora_rank
+        if not 0 < spec.kv_lora_rank <= MLA_MAX_LORA_RANK or rope_dim > MLA_MAX_ROPE_DIM:
+            return (
+                f"{cls.name} MLA supports kv_lora_rank 1..{MLA_MAX_LORA_RANK} and rope dims "
+                f"up to {MLA_MAX_ROPE_DIM}, not {spec.kv_lora_rank} + {rope_dim}"
+            )
+        return None
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         if self.forced_num_kv_splits is not None:
@@ -199,9 +264,11 @@ class TritonAttentionBackend(AttentionBackend):
             workspace=self._workspace,
         )
 
-    def make_impl(self, spec: AttentionLayerSpec) -> TritonAttentionImpl:
+    def make_impl(self, spec: AttentionLayerSpec) -> TritonAttentionImpl | TritonMLAAttentionImpl:
         reason = self.validate(spec, self.block_size)
         if reason is not None:
             raise ValueError(reason)
+        if spec.is_mla:
+            return TritonMLAAttentionImpl(spec)
         self._num_kv_heads = max(self._num_kv_heads, spec.num_kv_heads)
         return TritonAttentionImpl(spec)

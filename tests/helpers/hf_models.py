@@ -76,6 +76,25 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(arch="Qwen2ForCausalLM", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
                   head_dim=24),
+    # Mixture-of-experts: 8 experts, top-2.
+    "mixtral": dict(arch="MixtralForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                    sliding_window=None),
+    "qwen2-moe": dict(arch="Qwen2MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-moe": dict(arch="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0]),
+    # DeepSeek-V3: multi-head latent attention (q LoRA, interleaved rope), layer 0 dense,
+    # layer 1 MoE with grouped sigmoid routing (4 groups of 2, 2 kept) and a shared expert.
+    "deepseek-v3": dict(arch="DeepseekV3ForCausalLM", num_attention_heads=4,
+                        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True),
 }
 
 

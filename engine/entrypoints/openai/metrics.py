@@ -93,6 +93,28 @@ class _CoreStatsCollector(Collector):
             yield family
         if stats.spec_decoding_enabled:
             yield from self._spec_decoding(labels, value)
+        if stats.moe_expert_tokens_total:
+            yield from self._expert_load(labels, value)
+
+    def _expert_load(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+        """MoE load balance: routed (token, choice) pairs per expert, and per
+        expert-parallel rank (only with --enable-expert-parallel)."""
+        stats = self.stats
+        per_expert = CounterMetricFamily(
+            "engine:moe_expert_tokens", "Tokens routed to each expert (summed over layers).",
+            labels=[*labels, "expert"])
+        for expert, count in enumerate(stats.moe_expert_tokens_total):
+            per_expert.add_metric([*value, str(expert)], float(count))
+        yield per_expert
+        per_rank = stats.moe_rank_tokens_total()
+        if per_rank:
+            family = CounterMetricFamily(
+                "engine:moe_rank_tokens",
+                "Tokens routed to the experts each expert-parallel rank holds.",
+                labels=[*labels, "rank"])
+            for rank, count in enumerate(per_rank):
+                family.add_metric([*value, str(rank)], float(count))
+            yield family
 
     def _spec_decoding(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
         """vLLM's spec_decode counters (rates are theirs to derive in PromQL; the gauge is

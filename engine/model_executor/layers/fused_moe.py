@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from engine.core.interfaces import Communicator, FusedMoEKernel, MoELayerSpec
 from engine.model_executor.layers.linear import copy_checked, divide, tp_rank_size
@@ -200,11 +201,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.router, correction_bias)
-        self.load.observe(ids)
+        with record_function("moe.select_experts"):
+            weights, ids = select_experts(router_logits, self.router, correction_bias)
+            self.load.observe(ids)
         if self.expert_parallel:
             return self._forward_expert_parallel(hidden, weights, ids)
-        return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation)
+        with record_function("moe.experts"):
+            return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation)
 
     def _forward_expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor,
                                  ids: torch.Tensor) -> torch.Tensor:
@@ -222,18 +225,23 @@ class FusedMoE(nn.Module):
         order = torch.argsort(dest, stable=True)
         token, expert, dest = token[order], expert[order], dest[order]
         send_counts = torch.bincount(dest, minlength=size)
-        recv_counts = comm.all_to_all(send_counts, [1] * size, [1] * size)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        meta = torch.stack((expert.double(), weights[start:end].flatten()[order].double()), 1)
-        rows = comm.all_to_all(hidden[start:end][token], send, recv)
-        their_meta = comm.all_to_all(meta, send, recv)
+        with record_function("moe.all_to_all"):
+            recv_counts = comm.all_to_all(send_counts, [1] * size, [1] * size)
+            send, recv = send_counts.tolist(), recv_counts.tolist()
+            meta = torch.stack((expert.double(), weights[start:end].flatten()[order].double()),
+                               1)
+            rows = comm.all_to_all(hidden[start:end][token], send, recv)
+            their_meta = comm.all_to_all(meta, send, recv)
         local_ids = (their_meta[:, 0].long() - self.first_expert).unsqueeze(1)
-        done = self.kernel.apply(rows, self.w13, self.w2, their_meta[:, 1:2].float(), local_ids,
-                                 self.activation)
-        back = comm.all_to_all(done, recv, send)
+        with record_function("moe.experts"):
+            done = self.kernel.apply(rows, self.w13, self.w2, their_meta[:, 1:2].float(),
+                                     local_ids, self.activation)
+        with record_function("moe.all_to_all"):
+            back = comm.all_to_all(done, recv, send)
         combined = hidden.new_zeros((chunk, hidden.shape[1]))
         combined.index_add_(0, token, back.to(hidden.dtype))
-        return comm.all_gather(combined, dim=0)[:num_tokens]
+        with record_function("moe.all_gather"):
+            return comm.all_gather(combined, dim=0)[:num_tokens]
 
     def take_expert_load(self) -> torch.Tensor:
         return self.load.take()

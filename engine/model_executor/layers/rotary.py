@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.core.interfaces import FusedOps
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN: the ramp between interpolated and extrapolated frequencies, and the factor
+    # cos / sin are scaled by (from mscale / mscale_all_dim unless given).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     @property
     def max_positions(self) -> int:
@@ -91,7 +97,56 @@ def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
             or getattr(hf_config, "original_max_position_embeddings", None)
             or max_pos
         )
+    if rope_type == "yarn":
+        extra.update(_yarn_parameters(params, hf_config, max_pos, extra["factor"]))
     return RopeScaling(**{**scaling.__dict__, **extra})
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction for a context stretched by ``scale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_parameters(params: dict[str, Any], hf_config: Any, max_pos: int, factor: float
+                     ) -> dict[str, Any]:
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None) or max_pos)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return {
+        "original_max_position_embeddings": original,
+        "beta_fast": float(params.get("beta_fast") or 32),
+        "beta_slow": float(params.get("beta_slow") or 1),
+        "truncate": bool(params.get("truncate", True)),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _yarn_inv_freq(scaling: RopeScaling, dim: int) -> torch.Tensor:
+    """Interpolated frequencies for the slow dims, extrapolated for the fast ones, a
+    linear ramp between the dims that make ``beta_slow`` and ``beta_fast`` rotations over
+    the original context (the YaRN paper's recipe, as transformers computes it)."""
+    base, original = scaling.theta, scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs) * extrapolation
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int) -> torch.Tensor:
@@ -126,6 +181,8 @@ def compute_inv_freq(scaling: RopeScaling, head_size: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(scaling, dim)
     raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
 
 
@@ -164,7 +221,10 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_positions, dtype=torch.int64).float()
         # float32 products as transformers computes them, then cos/sin, then the cast.
         freqs = t[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling.attention_factor != 1.0:  # YaRN scales cos and sin
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        cache = torch.cat([cos, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     def forward(

@@ -64,6 +64,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
+from engine.plugins.cpu.mla_attention import CPUMLAAttentionImpl, MLAPlan
 from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
 
@@ -156,6 +157,7 @@ class CPUAttentionMetadata:
     seq_lens: np.ndarray | None = None  # int64 [R]
     block_tables: torch.Tensor | None = None  # int64 [R, M]
     _token_queries: _TokenQueries | None = None
+    mla_plan: MLAPlan | None = None  # built by the step's first MLA layer (mla_attention)
     _write_index: _WriteIndex | None = None
     _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
     _prefill_plans: dict[tuple[int | None, int], list[_KeyPlan]] = field(default_factory=dict)
@@ -434,6 +436,19 @@ class CPUAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size * head_size)
 
+    @classmethod
+    def get_mla_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, entry_size: int
+    ) -> tuple[int, ...]:
+        """One latent entry per token (:mod:`.mla_attention`)."""
+        return (num_blocks, block_size, entry_size)
+
+    @classmethod
+    def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
+        if spec.is_mla and (spec.sliding_window or spec.logits_soft_cap):
+            return f"{cls.name} MLA attention has no sliding window or logits soft cap"
+        return super().validate(spec, block_size)
+
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int
     ) -> list[torch.Tensor]:
@@ -448,7 +463,12 @@ class CPUAttentionBackend(AttentionBackend):
             caches.append(flat.view(dtype).view(shape))
         return caches
 
-    def make_impl(self, spec: AttentionLayerSpec) -> CPUAttentionImpl:
+    def make_impl(self, spec: AttentionLayerSpec) -> CPUAttentionImpl | CPUMLAAttentionImpl:
+        if spec.is_mla:
+            reason = self.validate(spec, self.block_size)
+            if reason is not None:
+                raise ValueError(reason)
+            return CPUMLAAttentionImpl(spec)
         if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
             raise ValueError(
                 f"num_heads ({spec.num_heads}) must be a multiple of "

@@ -84,3 +84,44 @@ def test_no_spec_decode_metrics_while_it_is_off():
     text = metrics.render().decode()
     assert "spec_decode" not in text
     assert 'engine:num_requests_running{model_name="tiny"} 1.0' in text
+
+
+def test_moe_load_families_per_expert_and_per_rank():
+    metrics = ServerMetrics("tiny")
+    metrics._core.stats = EngineCoreStats(moe_expert_tokens_total=[5, 0, 3, 2],
+                                          moe_expert_parallel_size=2)
+    samples = _samples(metrics)
+    for expert, count in enumerate([5, 0, 3, 2]):
+        assert _one(samples, "engine:moe_expert_tokens_total", expert=str(expert)) == count
+    assert _one(samples, "engine:moe_rank_tokens_total", rank="0") == 5
+    assert _one(samples, "engine:moe_rank_tokens_total", rank="1") == 5
+    dense = ServerMetrics("tiny")
+    dense._core.stats = EngineCoreStats()
+    assert "moe_" not in dense.render().decode()
+
+
+def test_served_moe_model_reports_expert_load(model_dir_factory, tmp_path):
+    """engine serve -tp 2 --enable-expert-parallel: /metrics counts every routed choice,
+    per expert and per rank."""
+    import httpx
+
+    from tests.entrypoints.openai.conftest import SERVED_NAME, ServerProcess
+
+    path = model_dir_factory("qwen3-moe")  # one MoE layer, top-2 of 8 experts
+    server = ServerProcess(path, tmp_path / "server.log",
+                           ["--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    try:
+        server.wait_ready()
+        body = {"model": SERVED_NAME, "prompt": [list(range(5, 15))], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        experts = sum(s.value for s in families["engine:moe_expert_tokens"].samples)
+        ranks = [s.value for s in families["engine:moe_rank_tokens"].samples]
+        assert experts == (10 + 3) * 2  # forwarded tokens x top-2 x one MoE layer
+        assert len(ranks) == 2 and sum(ranks) == experts
+    finally:
+        server.stop()
+        server.assert_no_orphans()

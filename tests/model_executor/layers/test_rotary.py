@@ -109,7 +109,7 @@ def test_legacy_rope_scaling_fields_are_read():
 @pytest.mark.parametrize(
     "rope,match",
     [
-        ({"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}, "not supported"),
+        ({"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}, "not supported"),
         ({"rope_type": "linear", "rope_theta": 1e4}, "factor"),
         ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial"),
     ],
@@ -118,3 +118,21 @@ def test_unsupported_rope_is_a_clear_error(rope, match):
     cfg = SimpleNamespace(max_position_embeddings=64, rope_parameters=rope)
     with pytest.raises(ValueError, match=match):
         rope_scaling_from_config(cfg)
+
+
+@pytest.mark.parametrize("mscale", [None, 1.0, 0.707])
+def test_yarn_frequencies_and_attention_factor_match_transformers(mscale):
+    """DeepSeek-V3's YaRN: transformers' inverse frequencies and cos/sin scale."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "beta_fast": 32,
+              "beta_slow": 1, "original_max_position_embeddings": 4096}
+    if mscale is not None:
+        params.update(mscale=mscale, mscale_all_dim=1.0)
+    config = DeepseekV3Config(rope_parameters=params, max_position_embeddings=163840)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    scaling = rope_scaling_from_config(config)
+    torch.testing.assert_close(compute_inv_freq(scaling, config.head_dim), want)
+    assert scaling.attention_factor == pytest.approx(factor)
+    assert scaling.max_positions == 163840
