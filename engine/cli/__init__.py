@@ -17,6 +17,7 @@ _COMMANDS: dict[str, str] = {
     "generate": "engine.cli.generate:generate_cmd",
     "chat": "engine.cli.chat:chat_cmd",
     "serve": "engine.cli.serve:serve_cmd",
+    "proxy": "engine.cli.proxy_cmd:proxy_cmd",
 }
 
 

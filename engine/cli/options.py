@@ -45,6 +45,22 @@ def parse_structured_outputs_config(
     return parsed
 
 
+def parse_kv_transfer_config(
+    ctx: click.Context | None, param: click.Parameter | None, value: str | None
+) -> dict[str, Any] | None:
+    """``--kv-transfer-config`` text -> the dict EngineArgs takes (checked now)."""
+    if value is None:
+        return None
+    from engine.core.config import KVTransferConfig
+
+    try:
+        parsed = json.loads(value)
+        KVTransferConfig.from_value(parsed)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}: {value!r}", ctx, param) from None
+    return parsed
+
+
 _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--model", default=None, help="HF model directory (default: the demo model)."),
     click.option("--tokenizer", default=None, help="Tokenizer directory (default: the model's)."),
@@ -85,6 +101,13 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="MoE models: place whole experts across the tensor-parallel ranks "
                       "(tokens go to their experts' ranks by all-to-all) instead of "
                       "splitting every expert."),
+    click.option("--kv-transfer-config", "kv_transfer_config", default=None,
+                 callback=parse_kv_transfer_config, metavar="JSON",
+                 help="A KV connector as a JSON object (vLLM's), e.g. '{\"kv_connector\": "
+                      "\"NixlConnector\", \"kv_role\": \"kv_producer\"}' or "
+                      "'{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": "
+                      "\"kv_both\", \"kv_connector_extra_config\": "
+                      "{\"shared_storage_path\": DIR}}'."),
     click.option("--enforce-eager", is_flag=True, default=False,
                  help="Run every step eagerly (no forward graphs for decode steps)."),
     click.option("--quantization", "-q", default=None,

@@ -7,10 +7,12 @@ the resolved, grouped result the engine runs with.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Literal
+import uuid
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -240,6 +242,53 @@ class StructuredOutputsConfig(BaseModel):
             raise ValueError(f"invalid structured_outputs_config: {problems}") from None
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+class KVTransferConfig(BaseModel):
+    """vLLM's ``--kv-transfer-config`` JSON: which KV connector moves KV in or out."""
+
+    model_config = _STRICT
+
+    kv_connector: str
+    kv_role: KVRole = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    # This instance's id in transfers (generated when absent; shared by every rank).
+    engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    # Where a producer's side channel listens (rank r: kv_port + r); consumers learn it
+    # from the kv_transfer_params the producer returns.
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = Field(default=14579, ge=1, le=65535 - 64)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_value(cls, value: Any) -> KVTransferConfig | None:
+        """A dict, its JSON text, or None; a clear ValueError for anything malformed."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object, got "  # noqa: TRY004
+                             f"{type(value).__name__}")
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ValueError(f"invalid kv_transfer_config: {problems}") from None
+
+
 class EngineConfig(BaseModel):
     """The resolved configuration the engine runs with."""
 
@@ -252,3 +301,4 @@ class EngineConfig(BaseModel):
     device: DeviceConfig
     speculative: SpeculativeConfig | None = None
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    kv_transfer: KVTransferConfig | None = None

@@ -162,6 +162,19 @@ class EngineCoreProc:
         totals.num_preemptions_total += interval.num_preemptions
         if interval.spec is not None:  # None: speculative decoding is off
             totals.add_spec_interval(interval.spec)
+        totals.prompt_tokens_computed_total += interval.prompt_tokens_computed
+        totals.kv_transfer_loaded_tokens_total += interval.external_tokens_loaded
+        if self.core.kv_connector is not None:
+            totals.kv_transfer_enabled = True
+            totals.kv_transfer_blocks_held = interval.num_held_for_send
+            kv = interval.kv_transfer
+            if kv is not None:  # the worker side's cumulative counters
+                totals.kv_transfer_bytes_sent_total = kv.bytes_sent
+                totals.kv_transfer_bytes_received_total = kv.bytes_received
+                totals.kv_transfer_blocks_sent_total = kv.blocks_sent
+                totals.kv_transfer_blocks_received_total = kv.blocks_received
+                totals.kv_transfer_seconds_total = kv.transfer_seconds
+                totals.kv_transfer_load_failures_total = kv.load_failures
         if interval.expert_load is not None:
             totals.add_expert_load(interval.expert_load)
             parallel = self.core.config.parallel

@@ -78,6 +78,18 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     # size the experts are spread over (consecutive experts per rank); empty: dense.
     moe_expert_tokens_total: list[int] = msgspec.field(default_factory=list)
     moe_expert_parallel_size: int = 1
+    # Prompt tokens the model computed, and prompt tokens whose KV a connector loaded.
+    prompt_tokens_computed_total: int = 0
+    kv_transfer_loaded_tokens_total: int = 0
+    # The KV connector's counters (kv_transfer_enabled: a connector is configured).
+    kv_transfer_enabled: bool = False
+    kv_transfer_bytes_sent_total: int = 0
+    kv_transfer_bytes_received_total: int = 0
+    kv_transfer_blocks_sent_total: int = 0
+    kv_transfer_blocks_received_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_load_failures_total: int = 0
+    kv_transfer_blocks_held: int = 0  # finished requests' blocks waiting for a consumer
     # The core's grammar compiles (engine.structured_output.stats.CompileStats.snapshot):
     # cumulative time histogram and cache hits / misses.
     structured_output: dict[str, Any] = msgspec.field(default_factory=dict)

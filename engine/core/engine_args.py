@@ -18,6 +18,7 @@ from engine.core.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -84,6 +85,9 @@ class EngineArgs:
     # vLLM's --structured-outputs-config: a dict or its JSON text ({"backend": ...,
     # "disable_any_whitespace": ..., "disable_fallback": ..., "strict": ...}).
     structured_outputs_config: dict[str, Any] | str | None = None
+    # vLLM's --kv-transfer-config: a dict or its JSON text ({"kv_connector": ...,
+    # "kv_role": ..., "kv_connector_extra_config": {...}}).
+    kv_transfer_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -127,6 +131,14 @@ class EngineArgs:
             )
         # A bad structured-outputs config fails here, before a model loads.
         structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+        if kv_transfer is not None:
+            from engine.kv_transfer.factory import connector_classes
+
+            known = connector_classes()
+            if kv_transfer.kv_connector not in known:
+                raise ValueError(f"unknown KV connector {kv_transfer.kv_connector!r}; "
+                                 f"installed: {', '.join(sorted(known))}")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
@@ -172,4 +184,5 @@ class EngineArgs:
             ),
             speculative=speculative,
             structured_outputs=structured_outputs,
+            kv_transfer=kv_transfer,
         )

@@ -20,6 +20,8 @@ from engine.core.scheduler import Scheduler, SchedulerStats
 
 # While only grammar compiles are pending, a step waits this long for one to finish.
 _GRAMMAR_WAIT_S = 0.01
+# While only KV transfers are in flight, a step polls them this often.
+_KV_POLL_S = 0.002
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,12 @@ class EngineCore:
             config, vocab_size=self.executor.vocab_size
         )
         spec = config.speculative
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            from engine.core.interfaces.kv_connector import KVConnectorRole
+            from engine.kv_transfer.factory import make_connector
+
+            self.kv_connector = make_connector(config, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
@@ -49,6 +57,7 @@ class EngineCore:
             # Earlier pipeline stages do not sample: they learn the tokens from the diff.
             send_new_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_micro_batches=self.executor.max_concurrent_batches,
+            kv_connector=self.kv_connector,
         )
         # Pipeline parallelism: up to one step in flight per stage (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches
@@ -95,6 +104,8 @@ class EngineCore:
         bitmask = self._grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask=bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty and self.kv_connector is not None and not outputs:
+            time.sleep(_KV_POLL_S)  # only transfers in flight: poll them, do not spin
         return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())
 
     def _grammar_bitmask(self, scheduler_output):
@@ -167,6 +178,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model and cache (a process-backed core exits after this)."""
         self.structured_output_manager.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
         self.executor = None  # type: ignore[assignment]

@@ -35,6 +35,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
+    # A KV connector's parameters for the client (disaggregated prefill: where the
+    # prompt's KV waits), on the request's final output.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -227,6 +227,7 @@ class _RequestState:
         self.prompt_decoder = decoder if processed.params.detokenize else None
         self._sent_prompt_logprobs = 0
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
         self.metrics = RequestMetrics(arrival_time=processed.arrival_time)
 
     @property
@@ -240,6 +241,8 @@ class _RequestState:
                 convert_logprobs(output.new_prompt_logprobs, self.prompt_decoder)
             )
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if output.new_token_ids:
             metrics = self.metrics
             if metrics.first_token_time is None:
@@ -270,6 +273,7 @@ class _RequestState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=dataclasses.replace(self.metrics),
+            kv_transfer_params=self.kv_transfer_params if finished else None,
         )
 
     def _take_prompt_logprobs(self, delta: bool) -> list[PositionLogprobs | None] | None:

@@ -77,6 +77,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A KV connector's parameters for the client (a disaggregated-prefill producer's:
+    # where the prompt's KV waits for the decode instance), on the final output.
+    kv_transfer_params: dict | None = None
 
     def add(self, later: RequestOutput, aggregate: bool) -> None:
         """Fold a later output of this request into this one.
@@ -104,3 +107,5 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
+        if later.kv_transfer_params is not None:
+            self.kv_transfer_params = later.kv_transfer_params

@@ -80,6 +80,20 @@ class Request:
     # Prefix-cache hashes of the full blocks of all_token_ids, extended incrementally
     # by the KV cache manager (engine.core.kv_cache.hashing); kept across preemption.
     block_hashes: list[bytes] = field(default_factory=list)
+    # KV connector: prompt tokens whose KV comes from outside (being loaded, or loaded),
+    # the locally cached ones before them, and the kv_transfer_params to return.
+    num_external_tokens: int = 0
+    num_local_hit_tokens: int = 0
+    kv_transfer_params_out: dict | None = None
+    hold_blocks: bool | None = None  # set when it finishes: a consumer pulls its blocks
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """The client's ``kv_transfer_params`` (vLLM keeps them in the sampling params'
+        ``extra_args``)."""
+        extra = self.sampling_params.extra_args
+        params = extra.get("kv_transfer_params") if extra else None
+        return params if isinstance(params, dict) else None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

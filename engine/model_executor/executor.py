@@ -129,6 +129,9 @@ class UniProcExecutor(Executor):
     def runtime_info(self) -> dict[str, Any]:
         return self.worker.runtime_info()
 
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
 
 def resolve_executor_backend(config: EngineConfig) -> str:
     """``uni`` for one rank; otherwise the configured backend (default ``mp``)."""
@@ -146,6 +149,9 @@ def make_executor(config: EngineConfig, platform: Platform) -> Executor:
     backend = resolve_executor_backend(config)
     if backend == "uni":
         return UniProcExecutor(config, platform)
+    if config.kv_transfer is not None:
+        raise ValueError("KV connectors (--kv-transfer-config) run on one rank for now: "
+                         "use tensor_parallel_size=1 and pipeline_parallel_size=1")
     if config.speculative is not None and config.parallel.pipeline_parallel_size > 1:
         raise ValueError("speculative decoding cannot be combined with pipeline parallelism "
                          "yet (the last stage drafts, the first embeds); tensor parallelism "

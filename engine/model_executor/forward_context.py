@@ -22,6 +22,8 @@ class ForwardContext:
 
     attn_metadata: Any  # whatever the backend's build_metadata returned this step
     kv_caches: list[torch.Tensor]  # one tensor per attention layer, by layer index
+    # A KV connector whose per-layer hooks run around each attention (None: none).
+    kv_connector: Any = None
 
 
 _current: ForwardContext | None = None

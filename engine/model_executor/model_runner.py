@@ -125,8 +125,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         proposer: Proposer | None = None,
         parallel: Any = None,
+        kv_connector: Any = None,
     ) -> None:
         self.model = model
+        # The KV connector's worker side (disaggregated prefill/decode, external caches).
+        self.kv_connector = kv_connector
+        if kv_connector is not None and kv_connector.uses_layer_hooks:
+            enforce_eager = True  # the per-layer hooks run in Python
         # Pipeline position (engine.distributed.ParallelState; None: the whole model).
         self.pp = None if parallel is None or parallel.pp_size == 1 else parallel.pp
         self.is_first_stage = self.pp is None or self.pp.rank == 0
@@ -156,6 +161,8 @@ class ModelRunner:
         from engine.model_executor.layers.fused_moe import FusedMoE
 
         self._has_moe = any(isinstance(m, FusedMoE) for m in model.modules())
+        self._layer_hooks = (kv_connector if kv_connector is not None
+                             and kv_connector.uses_layer_hooks else None)
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
@@ -164,6 +171,9 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
         shape = spec.cache_shape(self.attn_backend, num_blocks, self.block_size)
         self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches,
+                                                 self._kv_layout(spec, num_blocks))
         if self._graph_capturer is not None:
             self.decode_graphs = DecodeGraphs(
                 self._graph_capturer,
@@ -174,6 +184,46 @@ class ModelRunner:
                 max_blocks_per_seq=self.input_batch.block_table.shape[1],
                 device=self.device,
             )
+
+    def _kv_layout(self, spec: KVCacheSpec, num_blocks: int) -> Any:
+        from engine.core.interfaces.kv_connector import KVCacheLayout
+
+        block_dim = self.attn_backend.kv_cache_block_dim(spec.mla)
+        layer_bytes = self.kv_caches[0].numel() * self.kv_caches[0].element_size()
+        return KVCacheLayout(
+            num_layers=spec.num_layers, num_blocks=num_blocks, block_size=self.block_size,
+            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+            dtype=str(spec.dtype).removeprefix("torch."), block_dim=block_dim,
+            block_bytes=layer_bytes // num_blocks, mla=spec.mla,
+            backend=self.attn_backend.name,
+        )
+
+    # -- KV connector ---------------------------------------------------------------------
+    def _start_kv_transfers(self, so: SchedulerOutput) -> None:
+        connector = self.kv_connector
+        metadata = so.kv_connector_metadata
+        if metadata is not None and not isinstance(metadata, connector.metadata_cls):
+            import msgspec  # decoded from another process: back into the connector's type
+
+            metadata = msgspec.convert(metadata, connector.metadata_cls)
+        connector.bind_connector_metadata(metadata)
+        connector.start_load_kv()
+
+    def _finish_kv_transfers(self, so: SchedulerOutput) -> Any:
+        from engine.core.scheduler.output import KVConnectorOutput
+
+        connector = self.kv_connector
+        connector.wait_for_save()
+        sending, receiving = connector.get_finished(set(so.finished_req_ids))
+        stats = connector.stats()
+        connector.bind_connector_metadata(None)
+        return KVConnectorOutput(
+            finished_sending=sorted(sending), finished_recving=sorted(receiving),
+            failed_loads=sorted(connector.get_failed_loads()),
+            bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+            blocks_sent=stats.blocks_sent, blocks_received=stats.blocks_received,
+            transfer_seconds=stats.transfer_seconds, load_failures=stats.load_failures,
+        )
 
     # -- state updates --------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -241,8 +291,13 @@ class ModelRunner:
         ``grammar_bitmask`` (structured outputs): one int32 row per id of
         ``so.structured_output_req_ids``, or None when no request is constrained."""
         self._update_states(so)
+        if self.kv_connector is not None:
+            self._start_kv_transfers(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            if self.kv_connector is not None:
+                output.kv_connector_output = self._finish_kv_transfers(so)
+            return output
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs)
         if not self.samples:  # an earlier pipeline stage: its activations went on
@@ -264,6 +319,8 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
             spec_token_ids=self._propose(inputs, hidden, token_lists),
             expert_load=self._expert_load(),
+            kv_connector_output=(None if self.kv_connector is None
+                                 else self._finish_kv_transfers(so)),
         )
 
     def _expert_load(self) -> list[int] | None:
@@ -318,7 +375,8 @@ class ModelRunner:
                 return hidden
         metadata, input_ids, positions = self._eager_inputs(step)
         if self.pp is None:
-            with set_forward_context(ForwardContext(metadata, self.kv_caches)):
+            with set_forward_context(ForwardContext(metadata, self.kv_caches,
+                                                    self._layer_hooks)):
                 return self.model(input_ids, positions)
         return self._forward_stage(metadata, input_ids, positions)
 

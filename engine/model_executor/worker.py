@@ -130,6 +130,12 @@ class Worker:
         # between them, which no capturer here records: parallel ranks run eagerly.
         eager = config.model.enforce_eager or (self.layout is not None
                                                and self.layout.world_size > 1)
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            from engine.core.interfaces.kv_connector import KVConnectorRole
+            from engine.kv_transfer.factory import make_connector
+
+            self.kv_connector = make_connector(config, KVConnectorRole.WORKER)
         self.runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -141,6 +147,7 @@ class Worker:
             enforce_eager=eager,
             proposer=self.proposer,
             parallel=self.parallel,
+            kv_connector=self.kv_connector,
         )
         self.runner.allocate_kv_cache(self.kv_spec, num_blocks)
         self.num_blocks = num_blocks
@@ -156,6 +163,10 @@ class Worker:
         self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
     ) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, grammar_bitmask)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def runtime_info(self) -> dict[str, Any]:
         """What this rank runs with (benchmark reports): platform, dtypes, attention

@@ -164,6 +164,7 @@ def _serve(worker: Any, inbox: Any, outbox: Any) -> None:
         frames = inbox.recv_multipart(copy=False)
         tag = bytes(frames[0].buffer)
         if tag == QUIT:
+            worker.shutdown()
             return
         if tag == EXECUTE:
             so, bitmask = decode_step(frames[1:])

@@ -25,6 +25,7 @@ class _StubCore:
     """Hands out prepared SchedulerStats, one per ``get_stats`` (as make_stats would)."""
 
     num_kv_blocks = 64
+    kv_connector = None
 
     def __init__(self, intervals: list[SchedulerStats]) -> None:
         from types import SimpleNamespace

@@ -254,7 +254,7 @@ def test_allowlist_with_uninstalled_name_warns_with_installed_list(
     assert [p.name for p in registry.plugins()] == ["cpu"]
     (warning,) = registry.warnings
     assert "'cdua'" in warning
-    assert "installed plugins: cpu, cuda, quantization, rocm, xpu" in warning
+    assert "installed plugins: cpu, cuda, kv_transfer, quantization, rocm, xpu" in warning
 
 
 # -- third-party plugins ------------------------------------------------------------------

@@ -116,6 +116,13 @@ class AttentionBackend(ABC):
         """Shape of one layer's cache tensor (K and V together)."""
 
     @classmethod
+    def kv_cache_block_dim(cls, mla: bool = False) -> int:
+        """The dim of one layer's cache tensor that indexes blocks (what a KV connector
+        slices to move a block): dim 1 of the ``(2, num_blocks, ...)`` MHA layouts,
+        dim 0 of the ``(num_blocks, ...)`` MLA ones."""
+        return 0 if mla else 1
+
+    @classmethod
     def get_mla_kv_cache_shape(
         cls, num_blocks: int, block_size: int, entry_size: int
     ) -> tuple[int, ...] | None:

@@ -108,12 +108,15 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         """Grow the request's table to hold ``num_new_tokens`` more tokens.
 
         ``num_new_computed_tokens`` / ``new_computed_blocks`` are the prefix hits from
         ``get_computed_blocks`` (first allocation only); ``num_lookahead_tokens`` reserves
-        slots beyond the scheduled tokens (speculative drafts). Returns the block ids
+        slots beyond the scheduled tokens (speculative drafts); ``delay_cache_blocks``
+        keeps the new blocks out of the prefix cache (their KV is still being loaded from
+        outside; a later allocation caches them). Returns the block ids
         appended to the table (hits first), or None when the pool cannot supply them; in
         that case nothing changed.
         """
@@ -155,7 +158,8 @@ class KVCacheManager:
                 hit_tokens = len(hits) * self.block_size
                 self.prefix_cache_stats.record(request.num_tokens, hit_tokens)
                 self.total_prefix_cache_stats.record(request.num_tokens, hit_tokens)
-            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+            if not delay_cache_blocks:
+                self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return [block.block_id for block in req_blocks[num_held:]]
 
     def _cache_full_blocks(

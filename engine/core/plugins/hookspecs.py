@@ -17,6 +17,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from engine.core.interfaces import AttentionBackend, Platform, QuantMethod
+    from engine.core.interfaces.kv_connector import KVConnectorBase
 
 PROJECT_NAME = "engine"
 
@@ -51,3 +52,9 @@ def engine_register_attention_backends() -> list[type[AttentionBackend]]:
 @hookspec
 def engine_register_quant_methods() -> list[type[QuantMethod]]:
     """Extra checkpoint quantization formats."""
+
+
+@hookspec
+def engine_register_kv_connectors() -> list[type[KVConnectorBase]]:
+    """KV connectors (``KVConnectorBase`` subclasses), selected by their ``name`` in
+    ``--kv-transfer-config``."""

@@ -382,6 +382,10 @@ class PluginRegistry:
         """``(plugin, quant method class)`` from engine_register_quant_methods."""
         return _flatten(self.hook_results("engine_register_quant_methods"))
 
+    def kv_connectors(self) -> list[tuple[str, type]]:
+        """``(plugin, connector class)`` from engine_register_kv_connectors."""
+        return _flatten(self.hook_results("engine_register_kv_connectors"))
+
     def register_models(self, registry: Any) -> None:
         """Let every plugin add model architectures to ``registry``."""
         self.hook_results("engine_register_models", registry=registry)

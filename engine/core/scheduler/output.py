@@ -9,6 +9,7 @@ tokens itself, so generated tokens need not travel back down.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 
@@ -56,6 +57,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests whose next-token bitmask must be applied (structured outputs).
     structured_output_req_ids: list[str] = field(default_factory=list)
+    # The KV connector's instructions for the worker side (its metadata_cls; None: no
+    # connector).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -94,3 +98,21 @@ class ModelRunnerOutput:
     # MoE models: (token, choice) pairs each expert received this step, summed over the
     # reporting rank's MoE layers (under pipeline stages: the last stage's); None: dense.
     expert_load: list[int] | None = None
+    # KV connector: what the worker side finished or failed since the previous step.
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class KVConnectorOutput:
+    """Request ids whose asynchronous sends / receives completed, whose loads failed
+    (recomputed), and the connector's cumulative counters."""
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_loads: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    transfer_seconds: float = 0.0
+    load_failures: int = 0

@@ -38,7 +38,7 @@ import bisect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_io import EngineCoreOutput
@@ -99,6 +99,7 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         send_new_token_ids: bool = False,
         num_micro_batches: int = 1,
+        kv_connector: Any = None,
     ) -> None:
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
@@ -142,6 +143,19 @@ class Scheduler:
         # Steps kept in flight (pipeline stages): each takes its share of the requests.
         self.num_micro_batches = num_micro_batches
         self._expert_load: list[int] | None = None  # MoE routing counts, this interval
+        # KV connector (scheduler side): loads in flight report here, finished requests
+        # whose blocks a consumer still has to pull stay here.
+        self.kv_connector = kv_connector
+        self._loaded: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._held_for_send: dict[str, Request] = {}
+        # Aborted while their KV was still arriving: freed once the load ends either way.
+        self._held_for_load: dict[str, Request] = {}
+        self._kv_stats: Any = None  # the worker side's latest KVConnectorOutput
+        self._prompt_tokens_computed = 0  # this interval
+        self._external_tokens_loaded = 0
+        if kv_connector is not None:
+            self._ready_checks[RequestStatus.WAITING_FOR_REMOTE_KV] = self._remote_kv_ready
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -185,7 +199,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        """Running or waiting requests, or finished ones whose blocks a KV consumer has
+        still to pull (the steps keep polling the connector for them)."""
+        return (bool(self.running) or bool(self.waiting) or bool(self._held_for_send)
+                or bool(self._held_for_load))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -275,21 +292,32 @@ class Scheduler:
                 self.waiting.pop()
                 self._finish_ignored(request)
                 continue
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            owns_blocks = request.request_id in kv.req_to_blocks  # its external KV landed
+            if owns_blocks:
+                hit_blocks, num_hit = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                if self.kv_connector is not None and self._start_external_load(
+                        request, hit_blocks, num_hit):
+                    skipped.append(self.waiting.pop())  # waits for its KV
+                    continue
             num_new = self._grant(request, num_hit, step.token_budget)
             if num_new <= 0:
                 break
             if not self.enable_chunked_prefill and num_new < request.num_tokens_with_spec - num_hit:
                 break  # the whole prompt must fit this step's remaining budget
             lookahead = self._lookahead(num_hit + num_new)
-            block_ids = kv.allocate_slots(request, num_new, num_hit, hit_blocks, lookahead)
+            if owns_blocks:
+                block_ids = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+            else:
+                block_ids = kv.allocate_slots(request, num_new, num_hit, hit_blocks, lookahead)
             if block_ids is None:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit  # local hits and loaded tokens
             bisect.insort(self.running, request, key=self.policy.key)
             step.record(request, num_new, block_ids, is_new=True)
         for request in reversed(skipped):
@@ -302,6 +330,75 @@ class Scheduler:
             return self.max_num_seqs
         runnable = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-runnable // self.num_micro_batches))
+
+    # -- KV connector ---------------------------------------------------------------------
+    def _start_external_load(self, request: Request, hit_blocks: list, num_hit: int) -> bool:
+        """Ask the connector whether prompt tokens past the local prefix hits can come from
+        outside; if so allocate their blocks (kept out of the prefix cache until loaded)
+        and park the request in WAITING_FOR_REMOTE_KV. True when it was parked."""
+        connector = self.kv_connector
+        num_external, _asynchronous = connector.get_num_new_matched_tokens(request, num_hit)
+        # The last prompt token is always computed here: its logits are the next token's.
+        num_external = min(num_external, request.num_tokens - 1 - num_hit)
+        if num_external <= 0:
+            return False
+        kv = self.kv_cache_manager
+        block_ids = kv.allocate_slots(request, num_external, num_hit, hit_blocks,
+                                      delay_cache_blocks=True)
+        if block_ids is None:
+            return False  # no room for them: the request prefills locally when it fits
+        request.num_computed_tokens = num_hit
+        request.num_local_hit_tokens = num_hit
+        request.num_external_tokens = num_external
+        connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
+                                           num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        return True
+
+    def _remote_kv_ready(self, request: Request) -> bool:
+        """WAITING_FOR_REMOTE_KV's ready check: its load landed (the tokens count as
+        computed) or failed (they are recomputed locally, into the same blocks)."""
+        rid = request.request_id
+        if rid in self._failed_loads:
+            self._failed_loads.discard(rid)
+            logger.warning("request %s: its external KV did not load; prefilling it here",
+                           rid)
+            request.num_computed_tokens = request.num_local_hit_tokens
+            request.num_external_tokens = 0
+            return True
+        if rid not in self._loaded:
+            return False
+        self._loaded.discard(rid)
+        request.num_computed_tokens = request.num_local_hit_tokens + request.num_external_tokens
+        self._external_tokens_loaded += request.num_external_tokens
+        return True
+
+    def _apply_connector_output(self, out: Any) -> None:
+        if out is None:
+            return
+        self._kv_stats = out
+        self._loaded.update(out.finished_recving)
+        self._failed_loads.update(out.failed_loads)
+        for rid in (*out.finished_recving, *out.failed_loads):
+            request = self._held_for_load.pop(rid, None)
+            if request is not None:
+                self._loaded.discard(rid)
+                self._failed_loads.discard(rid)
+                self.kv_cache_manager.free(request)
+        for rid in out.finished_sending:  # the consumer pulled them: free the blocks now
+            request = self._held_for_send.pop(rid, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+
+    def _finish_transfer(self, request: Request) -> bool:
+        """The connector's say on a finished request: its kv_transfer_params for the
+        client, and whether its blocks stay until a consumer pulls them."""
+        if self.kv_connector is None or request.kv_transfer_params_out is not None:
+            return False
+        delay, params = self.kv_connector.request_finished(
+            request, self.kv_cache_manager.get_block_ids(request.request_id))
+        request.kv_transfer_params_out = params or {}
+        return bool(delay)
 
     def _grant(self, request: Request, num_computed: int, token_budget: int) -> int:
         """The unified rule: how many of the request's pending tokens run this step."""
@@ -383,6 +480,9 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         for r in (*step.new_reqs, *step.cached_reqs):
             num_new = step.num_scheduled_tokens[r.request_id]
+            self._prompt_tokens_computed += max(0, min(r.num_computed_tokens + num_new,
+                                                       r.num_prompt_tokens)
+                                                - min(r.num_computed_tokens, r.num_prompt_tokens))
             num_spec = r.num_computed_tokens + num_new - r.num_tokens
             if num_spec > 0:
                 del r.spec_token_ids[num_spec:]
@@ -399,7 +499,7 @@ class Scheduler:
         ]
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=step.num_scheduled_tokens,
@@ -409,6 +509,9 @@ class Scheduler:
             preempted_req_ids=step.preempted_req_ids,
             structured_output_req_ids=structured_ids,
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
+        return output
 
     # -- update -----------------------------------------------------------------------------
     def update_from_output(
@@ -419,6 +522,7 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         self.in_flight.difference_update(scheduled)
         self._add_expert_load(model_runner_output.expert_load)
+        self._apply_connector_output(model_runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.spec_token_ids
         finished: list[Request] = []
@@ -443,6 +547,8 @@ class Scheduler:
             prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
             if not (new_token_ids or request.is_finished or prompt_logprobs):
                 continue
+            if request.is_finished:
+                request.hold_blocks = self._finish_transfer(request)
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
@@ -454,6 +560,7 @@ class Scheduler:
                     ),
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(0, request.num_cached_tokens),
+                    kv_transfer_params=request.kv_transfer_params_out or None,
                 )
             )
             if request.is_finished:
@@ -512,10 +619,24 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
 
     def _release(self, request: Request) -> None:
-        """Forget a finished request (already out of both queues) and free its blocks."""
+        """Forget a finished request (already out of both queues) and free its blocks,
+        unless a KV consumer still has to pull them (freed when the send completes)."""
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
-        self.kv_cache_manager.free(request)
+        hold = request.hold_blocks
+        if hold is None:  # finished from outside (abort): the connector decides too
+            hold = self._finish_transfer(request)
+        rid = request.request_id
+        if hold:
+            self._held_for_send[rid] = request
+        elif (request.status == RequestStatus.FINISHED_ABORTED and request.num_external_tokens
+              and rid not in self._loaded and rid not in self._failed_loads
+              and request.num_computed_tokens == request.num_local_hit_tokens):
+            self._held_for_load[rid] = request  # its KV is still being written
+        else:
+            self._loaded.discard(rid)
+            self._failed_loads.discard(rid)
+            self.kv_cache_manager.free(request)
         self._executor_num_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.policy.forget(request)
@@ -535,7 +656,16 @@ class Scheduler:
             prefix_cache_requests=prefix.requests,
             spec=self._take_spec_stats(),
             expert_load=self._take_expert_load(),
+            prompt_tokens_computed=self._take("_prompt_tokens_computed"),
+            external_tokens_loaded=self._take("_external_tokens_loaded"),
+            kv_transfer=self._kv_stats,
+            num_held_for_send=len(self._held_for_send),
         )
+
+    def _take(self, counter: str) -> int:
+        value = getattr(self, counter)
+        setattr(self, counter, 0)
+        return value
 
     def _take_expert_load(self) -> list[int] | None:
         load, self._expert_load = self._expert_load, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -51,6 +52,14 @@ class SchedulerStats:
     spec: SpecDecodingStats | None = None  # None when speculative decoding is off
     # MoE: tokens routed to each expert since the previous make_stats (None: dense model).
     expert_load: list[int] | None = None
+    # Prompt tokens run through the model, and prompt tokens whose KV a connector loaded,
+    # since the previous make_stats.
+    prompt_tokens_computed: int = 0
+    external_tokens_loaded: int = 0
+    # The KV connector's cumulative counters (KVConnectorOutput; None: no connector) and
+    # finished requests whose blocks wait for a consumer to pull them.
+    kv_transfer: Any = None
+    num_held_for_send: int = 0
 
 
     @property

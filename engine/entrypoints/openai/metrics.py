@@ -86,6 +86,9 @@ class _CoreStatsCollector(Collector):
              stats.prefix_cache_hits_total),
             ("engine:num_preemptions", "Requests preempted for lack of KV blocks.",
              stats.num_preemptions_total),
+            ("engine:prompt_tokens_computed", "Prompt tokens the model computed (not "
+             "found in the prefix cache nor loaded by a KV connector).",
+             stats.prompt_tokens_computed_total),
         )
         for name, doc, number in counters:
             family = CounterMetricFamily(name, doc, labels=labels)
@@ -95,6 +98,37 @@ class _CoreStatsCollector(Collector):
             yield from self._spec_decoding(labels, value)
         if stats.moe_expert_tokens_total:
             yield from self._expert_load(labels, value)
+        if stats.kv_transfer_enabled:
+            yield from self._kv_transfer(labels, value)
+
+    def _kv_transfer(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+        """The KV connector's traffic (disaggregated prefill/decode, external caches)."""
+        stats = self.stats
+        counters = (
+            ("engine:kv_transfer_bytes_sent", "KV cache bytes sent (saved or pulled).",
+             stats.kv_transfer_bytes_sent_total),
+            ("engine:kv_transfer_bytes_received", "KV cache bytes received (loaded).",
+             stats.kv_transfer_bytes_received_total),
+            ("engine:kv_transfer_blocks_sent", "KV blocks sent.",
+             stats.kv_transfer_blocks_sent_total),
+            ("engine:kv_transfer_blocks_received", "KV blocks received.",
+             stats.kv_transfer_blocks_received_total),
+            ("engine:kv_transfer_seconds", "Seconds spent moving KV blocks.",
+             stats.kv_transfer_seconds_total),
+            ("engine:kv_transfer_load_failures", "KV loads that failed (recomputed).",
+             stats.kv_transfer_load_failures_total),
+            ("engine:kv_transfer_loaded_tokens", "Prompt tokens whose KV was loaded.",
+             stats.kv_transfer_loaded_tokens_total),
+        )
+        for name, doc, number in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(value, float(number))
+            yield family
+        held = GaugeMetricFamily("engine:kv_transfer_requests_held",
+                                 "Finished requests whose KV blocks wait for a consumer.",
+                                 labels=labels)
+        held.add_metric(value, float(stats.kv_transfer_blocks_held))
+        yield held
 
     def _expert_load(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
         """MoE load balance: routed (token, choice) pairs per expert, and per

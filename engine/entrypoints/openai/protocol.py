@@ -171,6 +171,9 @@ class SamplingRequest(OpenAIRequestModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # Disaggregated prefill/decode (vLLM's): the KV connector's parameters, e.g.
+    # {"do_remote_decode": true} to a producer, or what a producer returned to a consumer.
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured output (see engine.structured_output.openai_fields): at most one source.
     # (Not in the schema: a rule over six fields defeats the fuzzers that read it.)
     response_format: dict[str, Any] | None = Field(
@@ -292,6 +295,9 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    # A KV connector's parameters for the next hop (the producer of a disaggregated pair:
+    # where this prompt's KV waits); of the first prompt when there are several.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(CompletionResponse):
@@ -335,6 +341,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

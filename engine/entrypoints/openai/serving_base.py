@@ -279,6 +279,8 @@ class OpenAIServing:
             "output_kind": output_kind,
             "structured_outputs": structured_outputs,
         }
+        if request.kv_transfer_params is not None:
+            options["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
         try:
             return SamplingParams(**options)
         except ValueError as exc:

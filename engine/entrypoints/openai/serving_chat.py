@@ -159,7 +159,8 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
             prompt_logprobs=(serialize_prompt_logprobs(job.prompt_logprobs)
-                             if request.prompt_logprobs is not None else None))
+                             if request.prompt_logprobs is not None else None),
+            kv_transfer_params=output.kv_transfer_params)
         return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
     def _tool_handler(self, request: ChatCompletionRequest) -> ToolCallHandler | None:

@@ -174,11 +174,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
                 completion_tokens += num_tokens
         prompt_tokens = sum(len(job.prompt.token_ids) for job in jobs)
+        transfer = next((o.kv_transfer_params for o in outputs
+                         if getattr(o, "kv_transfer_params", None) is not None), None)
         return CompletionResponse(
             id=options.request_id, created=options.created, model=self.model_name,
             choices=choices, usage=UsageInfo(prompt_tokens=prompt_tokens,
                                              completion_tokens=completion_tokens,
-                                             total_tokens=prompt_tokens + completion_tokens))
+                                             total_tokens=prompt_tokens + completion_tokens),
+            kv_transfer_params=transfer)
 
     def _choice(self, job: GenerationJob, completion: CompletionOutput, options: _Options,
                 with_echo: bool, text_offset: int) -> tuple[CompletionChoice, int]:
