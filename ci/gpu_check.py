@@ -6,11 +6,23 @@ Sections, each reported on its own so one failure never hides the others:
      backend's forward against a float32 torch reference, on the GPU;
   2. speed: decode (context 1k / 8k / 32k, batch 1 and 64) and a 2k prefill, against
      torch SDPA on contiguous K/V and against the HBM roofline / peak bf16 matmul rate;
+  2b. quantized GEMMs: the Triton weight-only int kernels (engine/kernels/quant_gemm_int.py,
+     plain W4A16 layout and Marlin-style) against a float32 torch reference, then timed at
+     decode (M = 1, 4, 16) and prefill (M = 2048), K = N = 4096 and 8192, int4 group 128,
+     against torch's bf16 matmul of the same (dequantized) weights and against the HBM
+     roofline (packed weight bytes / measured time vs the device's bandwidth);
+  2c. fp8 / int8 / nvfp4 GEMMs (engine/kernels/quant_gemm_fp.py): the activation quantizer
+     bit for bit against engine.quantization.numerics, the GEMMs (the device's MMA path and
+     the no-MMA path) against the torch reference kernel, then timed at decode (M = 1, 4,
+     16) and prefill (M = 2048), K = N = 4096 and 8192, per-channel fp8, 128 x 128 block
+     fp8, int8 W8A8 and NVFP4, against torch's bf16 matmul and the HBM roofline;
   3. end to end: ``python -m engine.cli generate "Once upon a time" --device cuda
      --max-tokens 16 --ignore-eos --json`` on the demo model (engine/assets/demo) or, when
      this tree has none, on a tiny random bf16 Llama built here with transformers into a
      temp dir; reports tokens/s (engine startup and Triton JIT included), then the same
-     with split-KV forced (ENGINE_TRITON_NUM_KV_SPLITS=4).
+     with split-KV forced (ENGINE_TRITON_NUM_KV_SPLITS=4), then (time permitting) on the
+     GPTQ int4 act-order fixture (tests/data/quant-fixtures/gptq-desc-act-g64) with
+     ``--quantization gptq_marlin`` on a GPU: the platform's Triton Marlin-style kernel.
 
 Sections 1-2 need only torch + triton (and numpy): ``import engine`` pulls in nothing
 else. Section 3 runs the whole engine, whose imports a bare CUDA image (the H200 one:
@@ -23,11 +35,11 @@ entry points of the installed ``engine`` distribution, so the engine must be ins
 too. ``ci/gpu_check.sh`` does both; ``ci/gpu_check.sh fetch-wheels`` fills ``.whl/``.
 Missing modules skip section 3 with a note, never fail the run.
 
-Finishes in about 4 minutes or less (a global deadline skips what is left; section 3
-keeps the last ~100 s). Results go to stdout as one table, and to
-``$OUT/gpu_check.json`` when ``OUT`` is set.
+Finishes in about 6 minutes or less (a global deadline skips what is left; section 3
+keeps the last ~100 s; sections 2b and 2c take ~60 s each, ``--skip-quant`` drops them).
+Results go to stdout as one table, and to ``$OUT/gpu_check.json`` when ``OUT`` is set.
 
-    ci/gpu_check.sh [--skip-e2e] [--peak-bw-tbs 4.8] [--peak-tflops 989]
+    ci/gpu_check.sh [--skip-e2e] [--skip-quant] [--peak-bw-tbs 4.8] [--peak-tflops 989]
     python ci/gpu_check.py --e2e-only --e2e-device cpu   # check section 3's wiring anywhere
 """
 
@@ -47,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BUDGET_S = 225.0
+BUDGET_S = 365.0
 E2E_RESERVE_S = 100.0  # kernel sections stop this long before the deadline when e2e runs
 START = time.monotonic()
 reserved_s = 0.0
@@ -72,6 +84,13 @@ def import_kernels():
     from engine.kernels import reshape_and_cache, stats, triton_backend, unified_attention
 
     return unified_attention, reshape_and_cache, triton_backend, stats
+
+
+def import_quant_kernels():
+    """The weight-only int GEMM kernels (after :func:`import_kernels` set up ``engine``)."""
+    from engine.kernels import quant_gemm_int
+
+    return quant_gemm_int
 
 
 @dataclass
@@ -423,11 +442,345 @@ def check_speed(torch, ua, device, peak_tbs, peak_tflops) -> Section:
     return section
 
 
+# --------------------------------------------------------------------------- 2b. quantized GEMMs
+
+QUANT_SIZES = (4096, 8192)  # K = N
+QUANT_DECODE_M = (1, 4, 16)
+QUANT_PREFILL_M = 2048
+QUANT_GROUP = 128
+QUANT_TOL = 2e-2  # max |ours - ref| / max |ref|: bf16 operands and output
+QUANT_CORRECTNESS = [
+    # label, m, n, k, group, bits, zero points, act-order, bias
+    ("int4 g128 sym", 1, 4096, 4096, 128, 4, False, False, False),
+    ("int4 g128 zp act-order bias", 7, 4096, 4096, 128, 4, True, True, True),
+    ("int4 g32 zp", 16, 2048, 4096, 32, 4, True, False, False),
+    ("int8 per-channel bias", 3, 4096, 4096, 4096, 8, False, False, True),
+    ("int8 g128 zp", 16, 1024, 2048, 128, 8, True, False, False),
+    ("int4 g128 zp prefill", 300, 4096, 4096, 128, 4, True, False, True),
+    ("int4 g64 act-order prefill", 1000, 1536, 2048, 64, 4, True, True, False),
+]
+
+
+def make_int_weights(torch, n, k, group, bits, zero_points, act_order, device, gen):
+    """Random canonical int weights (engine/core/interfaces/quant.py) on ``device``."""
+    from engine.core.interfaces import QuantizedLayerSpec, QuantizedWeights
+
+    groups = k // group
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.002
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).float() if zero_points else None
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=gen)] if act_order else None
+    spec = QuantizedLayerSpec("gpu-check", "int", bits, group, k, n, torch.bfloat16,
+                              has_zero_points=zero_points, act_order=act_order)
+    move = (lambda t: None if t is None else t.to(device))
+    return QuantizedWeights(spec, move(codes), move(scales), move(zeros), move(g_idx),
+                            shard_sizes=(n,))
+
+
+def dequantize_int(torch, weights):
+    """float32 [N, K] of canonical int weights (g_idx applied)."""
+    spec = weights.spec
+    k = spec.in_features
+    groups = (weights.g_idx if weights.g_idx is not None
+              else torch.arange(k, device=weights.codes.device) // spec.group_size)
+    zero = (weights.zeros[:, groups] if weights.zeros is not None
+            else float(1 << (spec.weight_bits - 1)))
+    return (weights.codes.float() - zero) * weights.scales[:, groups]
+
+
+def packed_bytes(packed) -> int:
+    return sum(t.numel() * t.element_size() for t in (packed.words, packed.scales, packed.zeros)
+               if t is not None)
+
+
+def check_quant(torch, qi, device, peak_tbs, peak_tflops) -> Section:
+    section = Section("quantized gemm")
+    gen = torch.Generator().manual_seed(2)
+    layouts = (("plain", False), ("marlin", True))
+
+    def correctness_case(label, m, n, k, group, bits, zp, act_order, with_bias):
+        weights = make_int_weights(torch, n, k, group, bits, zp, act_order, device, gen)
+        x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+        bias = (torch.randn(n, generator=gen) * 0.5).to(device, torch.bfloat16) if with_bias else None
+        expected = x.float() @ dequantize_int(torch, weights).t()
+        if bias is not None:
+            expected += bias.float()
+        for layout, tiled in layouts:
+            packed = qi.pack_int_weight(weights, tiled=tiled)
+            config = qi.choose_config(m, packed, x.dtype, qi.compute_units(x.device))
+            configs = [("auto", config)]
+            if config.split_k > 1:
+                configs.append(("no split", qi.IntGemmConfig(**{**asdict(config), "split_k": 1})))
+            elif m <= qi.SPLIT_K_MAX_M:
+                configs.append(("split 4", qi.IntGemmConfig(**{**asdict(config), "split_k": 4})))
+            for tag, cfg in configs:
+                out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
+                qi.int_gemm(x, packed, bias, config=cfg, out=out)
+                err = ((out.float() - expected).abs().max() / expected.abs().max()).item()
+                ok = not out.isnan().any().item() and err <= QUANT_TOL
+                section.rows.append({"case": f"{label} {layout} {tag}", "split_k": cfg.split_k,
+                                     "block_k": cfg.block_k, "max_rel_err": err, "ok": bool(ok)})
+
+    for case in QUANT_CORRECTNESS:
+        guarded(section, f"quant {case[0]}", correctness_case, *case)
+        torch.cuda.empty_cache()
+
+    def speed_case(size, weights, dense, m):
+        x = torch.randn(m, size, generator=gen).to(device, torch.bfloat16)
+        expected = x @ dense.t()
+        t_torch = bench_ms(lambda: x @ dense.t())
+        dense_bytes = dense.numel() * dense.element_size()
+        io = 2 * (x.numel() + m * size)  # activations in, output out (bf16)
+        for layout, tiled in layouts:
+            packed = qi.pack_int_weight(weights, tiled=tiled)
+            config = qi.choose_config(m, packed, x.dtype, qi.compute_units(x.device))
+            out = qi.int_gemm(x, packed)
+            err = ((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+            t_ours = bench_ms(lambda p=packed: qi.int_gemm(x, p))
+            moved = packed_bytes(packed) + io
+            row = {
+                "case": f"{'decode' if m <= qi.SPLIT_K_MAX_M else 'prefill'} m={m} k=n={size}",
+                "kernel": layout,
+                "split_k": config.split_k,
+                "ours_ms": t_ours,
+                "torch_bf16_ms": t_torch,
+                "speedup_vs_bf16": t_torch / t_ours,
+                "ours_tb_s": moved / t_ours / 1e9,
+                "pct_peak_bw": 100 * moved / t_ours / 1e9 / peak_tbs,
+                "bf16_pct_peak_bw": 100 * (dense_bytes + io) / t_torch / 1e9 / peak_tbs,
+                "max_rel_err_vs_bf16": err,
+                "ok": err <= QUANT_TOL,
+            }
+            if m > qi.SPLIT_K_MAX_M:
+                flops = 2 * m * size * size
+                row.update(ours_tflops=flops / t_ours / 1e9,
+                           pct_peak_tflops=100 * flops / t_ours / 1e9 / peak_tflops,
+                           bf16_tflops=flops / t_torch / 1e9)
+            section.rows.append(row)
+
+    for size in QUANT_SIZES:
+        weights = guarded(section, f"quant weights k=n={size}", make_int_weights, torch, size,
+                          size, QUANT_GROUP, 4, True, False, device, gen)
+        if weights is None:
+            continue
+        dense = dequantize_int(torch, weights).to(torch.bfloat16)
+        for m in (*QUANT_DECODE_M, QUANT_PREFILL_M):
+            guarded(section, f"quant m={m} k=n={size}", speed_case, size, weights, dense, m)
+        del weights, dense
+        torch.cuda.empty_cache()
+    return section
+
+
+# ------------------------------------------------------------- 2c. fp8 / int8 / nvfp4 GEMMs
+
+FP_QUANT_SIZES = (4096, 8192)  # K = N
+FP_QUANT_M = (1, 4, 16, 2048)  # decode, prefill
+FP_QUANT_TOL = 2e-2  # max |ours - torch reference| / max |ref| (bf16 outputs, same QDQ)
+FP_QUANT_CASES = [
+    # weights (make_fp_weights), m, n, k, fused shards, bias
+    ("fp8 static", 7, 3072, 2048, (2048, 512, 512), True),
+    ("fp8 token", 33, 1536, 4096, None, False),
+    ("fp8 block", 300, 2048, 2048, None, True),
+    ("fp8 a16", 5, 1000, 1024, None, True),
+    ("int8 token", 16, 2048, 4096, None, True),
+    ("int8 static", 300, 1536, 2048, (1024, 512), False),
+    ("nvfp4", 300, 2048, 2048, (1024, 1024), True),
+    ("nvfp4 a16", 3, 2048, 4096, None, False),
+]
+
+
+def fp_capability(torch):
+    """The device's DeviceCapability as the GPU platforms report it."""
+    from engine.core.interfaces import DeviceCapability
+
+    try:
+        from engine.plugins.torch_cuda_api import TorchCudaApiPlatform
+
+        return TorchCudaApiPlatform.device_capability(None)  # reads torch.cuda only
+    except Exception:  # noqa: BLE001 - the same rule, inline
+        major, minor = torch.cuda.get_device_capability()
+        fp8 = (major, minor) >= (8, 9)
+        return DeviceCapability("nvidia", f"sm_{major}{minor}", major, minor,
+                                fp8_dtype="e4m3fn" if fp8 else None, fp8_mma=fp8,
+                                fp4_mma=major >= 10, int8_mma=True)
+
+
+def make_fp_weights(torch, kind, n, k, device, gen, shards=None):
+    """Random canonical fp8 / int8 / nvfp4 weights on ``device`` and their layer spec:
+    ``kind`` is "fp8 static" (per-tensor, static activations per shard), "fp8 token"
+    (per-channel, dynamic per-token), "fp8 block" (128 x 128, per-group-128), "fp8 a16",
+    "int8 token", "int8 static", "nvfp4" (nvfp4 activations) or "nvfp4 a16"."""
+    from engine.core.interfaces import ActivationQuant, QuantizedLayerSpec, QuantizedWeights
+
+    shards = tuple(shards or (n,))
+    enc = kind.split()[0]
+    act = {"fp8 static": ActivationQuant("fp8", "tensor", False),
+           "fp8 token": ActivationQuant("fp8", "token", True),
+           "fp8 block": ActivationQuant("fp8", "group", True, 128),
+           "int8 token": ActivationQuant("int8", "token", True),
+           "int8 static": ActivationQuant("int8", "tensor", False),
+           "nvfp4": ActivationQuant("nvfp4", "group", True, 16)}.get(kind)
+    input_scales = None
+    if enc == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+        codes = codes.to(device).view(torch.float8_e4m3fn)
+        group = 128 if kind == "fp8 block" else k
+        scales = torch.rand(n, k // group, generator=gen) * 1e-4 + 1e-5
+        if kind == "fp8 block":
+            scales = scales[::128].repeat_interleave(128, dim=0)[:n]
+        if kind == "fp8 static":
+            input_scales = torch.rand(len(shards), generator=gen) * 0.02 + 0.01
+        bits = 8
+    elif enc == "int8":
+        enc, bits, group = "int", 8, k
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8).to(device)
+        scales = torch.rand(n, 1, generator=gen) * 1e-3 + 1e-4
+        if kind == "int8 static":
+            input_scales = torch.rand(len(shards), generator=gen) * 0.02 + 0.01
+    else:
+        bits, group = 4, 16
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).to(device)
+        fp8 = (torch.rand(n, k // 16, generator=gen) * 400 + 1).to(torch.float8_e4m3fn)
+        scales = fp8.float() / 2688.0
+        if act is not None:
+            input_scales = torch.rand(len(shards), generator=gen) * 200 + 100
+    spec = QuantizedLayerSpec("gpu-check", enc, bits, group, k, n, torch.bfloat16,
+                              activation=act, shard_sizes=shards)
+    return QuantizedWeights(spec, codes, scales.to(device), None, None,
+                            None if input_scales is None else input_scales.to(device), shards)
+
+
+def check_quant_fp(torch, device, peak_tbs, peak_tflops) -> Section:
+    """The Triton fp8 / int8 / nvfp4 GEMMs (engine/kernels/quant_gemm_fp.py): the
+    activation quantizer bit for bit against engine.quantization.numerics on the GPU,
+    GEMMs (device path and no-MMA path) against the torch reference kernel, then timed
+    at decode and prefill against torch's bf16 matmul and the HBM roofline."""
+    from torch import nn
+
+    from engine.core.interfaces import ActivationQuant, DeviceCapability
+    from engine.kernels import quant_gemm_fp as qf
+    from engine.quantization.numerics import quantize_dequantize
+    from engine.quantization.reference import TorchQuantizedGemm
+
+    section = Section("fp8 / int8 / nvfp4 gemm")
+    cap = fp_capability(torch)
+    plain = DeviceCapability(cap.vendor, cap.arch, cap.major, cap.minor)  # no fp8 / int8 mma
+    gen = torch.Generator().manual_seed(3)
+    print(f"quant_gemm_fp capability: {cap}")
+
+    def quantizer_case(act, scale):
+        x = (torch.randn(67, 4096, generator=gen) * 3).to(device, torch.bfloat16)
+        x[1] = 0
+        static = None if scale is None else torch.tensor([scale], device=device)
+        if act.encoding == "nvfp4":
+            got, _ = qf.quantize_activation(x, act, static, qdq_dtype=torch.float32)
+            want = quantize_dequantize(x, act, global_scale=static)
+        else:
+            codes, scales = qf.quantize_activation(x, act, static)
+            vals = (codes.float() if act.encoding == "int8"
+                    else codes.view(torch.float8_e4m3fn).float())
+            got = (vals.unflatten(-1, (scales.shape[1], -1)) * scales[:, :, None]).flatten(-2)
+            want = quantize_dequantize(x, act, static_scale=static)
+        mismatches = int((got != want).sum().item())
+        section.rows.append({"case": f"quantizer {act.encoding} {act.strategy}"
+                             f"{'' if act.dynamic else ' static'}", "mismatches": mismatches,
+                             "ok": mismatches == 0})
+
+    for act, scale in ((ActivationQuant("fp8", "token", True), None),
+                       (ActivationQuant("fp8", "tensor", True), None),
+                       (ActivationQuant("fp8", "tensor", False), 0.0123),
+                       (ActivationQuant("fp8", "group", True, 128), None),
+                       (ActivationQuant("int8", "token", True), None),
+                       (ActivationQuant("int8", "tensor", False), 0.0211),
+                       (ActivationQuant("nvfp4", "group", True, 16), 150.0)):
+        guarded(section, f"quantizer {act}", quantizer_case, act, scale)
+
+    def kernel_cls(weights, capability):
+        kind = {"fp8": qf.TritonFp8Gemm, "int": qf.TritonInt8Gemm,
+                "nvfp4": qf.TritonNvfp4Gemm}[weights.spec.encoding]
+        bound = kind.for_capability(capability)
+        why = bound.can_implement(weights.spec)
+        if why is not None:
+            raise RuntimeError(f"{bound.name} refused: {why}")
+        return bound
+
+    def prepared(weights, capability):
+        kernel, layer = kernel_cls(weights, capability)(), nn.Module()
+        kernel.prepare(layer, weights)
+        ref, ref_layer = TorchQuantizedGemm(), nn.Module()
+        ref.prepare(ref_layer, weights)
+        return kernel, layer, ref, ref_layer
+
+    def correctness_case(kind, m, n, k, shards, with_bias):
+        weights = make_fp_weights(torch, kind, n, k, device, gen, shards)
+        x = (torch.randn(m, k, generator=gen) * 2).to(device, torch.bfloat16)
+        bias = ((torch.randn(n, generator=gen) * 0.1).to(device, torch.bfloat16)
+                if with_bias else None)
+        for tag, capability in (("device", cap), ("no-mma", plain)):
+            kernel, layer, ref, ref_layer = prepared(weights, capability)
+            want = ref.apply(ref_layer, x, bias).float()
+            out = torch.full((m * n,), float("nan"), dtype=x.dtype, device=device)
+            got = kernel.apply(layer, x, bias, out=out).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            ok = not got.isnan().any().item() and err <= FP_QUANT_TOL
+            section.rows.append({"case": f"{kind} m={m} n={n} k={k} {tag}",
+                                 "kernel": kernel.description, "max_rel_err": err, "ok": bool(ok)})
+
+    for case in FP_QUANT_CASES:
+        guarded(section, f"quant fp {case[0]}", correctness_case, *case)
+        torch.cuda.empty_cache()
+
+    def speed_case(kind, size, dense):
+        weights = make_fp_weights(torch, kind, size, size, device, gen)
+        kernel, layer, ref, ref_layer = prepared(weights, cap)
+        weight_bytes = sum(t.numel() * t.element_size() for t in (layer.qf_codes, layer.qf_scales))
+        dense_bytes = dense.numel() * dense.element_size()
+        for m in FP_QUANT_M:
+            if time_left() <= reserved_s:
+                section.skipped.append(f"quant fp {kind} m={m} k=n={size}: out of time budget")
+                continue
+            x = torch.randn(m, size, generator=gen).to(device, torch.bfloat16)
+            want = ref.apply(ref_layer, x).float()
+            got = kernel.apply(layer, x).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            t_ours = bench_ms(lambda x=x: kernel.apply(layer, x))
+            t_torch = bench_ms(lambda x=x: x @ dense.t())
+            io = 2 * (x.numel() + m * size)  # activations in, output out (bf16)
+            row = {
+                "case": f"{kind} {'decode' if m <= 16 else 'prefill'} m={m} k=n={size}",
+                "kernel": kernel.description,
+                "ours_ms": t_ours,
+                "torch_bf16_ms": t_torch,
+                "speedup_vs_bf16": t_torch / t_ours,
+                "ours_tb_s": (weight_bytes + io) / t_ours / 1e9,
+                "pct_peak_bw": 100 * (weight_bytes + io) / t_ours / 1e9 / peak_tbs,
+                "bf16_pct_peak_bw": 100 * (dense_bytes + io) / t_torch / 1e9 / peak_tbs,
+                "max_rel_err": err,
+                "ok": err <= FP_QUANT_TOL,
+            }
+            if m > 16:
+                flops = 2 * m * size * size
+                row.update(ours_tflops=flops / t_ours / 1e9,
+                           pct_peak_bf16_tflops=100 * flops / t_ours / 1e9 / peak_tflops,
+                           bf16_tflops=flops / t_torch / 1e9)
+            section.rows.append(row)
+
+    for size in FP_QUANT_SIZES:
+        dense = torch.randn(size, size, device=device, dtype=torch.bfloat16)  # timing baseline
+        for kind in ("fp8 token", "fp8 block", "int8 token", "nvfp4"):
+            guarded(section, f"quant fp {kind} k=n={size}", speed_case, kind, size, dense)
+            torch.cuda.empty_cache()
+        del dense
+    return section
+
+
 # --------------------------------------------------------------------------- 3. end to end
 
 E2E_PROMPT = "Once upon a time"
 E2E_MAX_TOKENS = 16
 DEMO_MODEL_DIR = REPO / "engine" / "assets" / "demo"
+QUANT_FIXTURE = REPO / "tests" / "data" / "quant-fixtures" / "gptq-desc-act-g64"
 TINY_LLAMA_TEXT = (
     "Once upon a time a small engine served a language model on a large GPU. "
     "Paged attention keeps keys and values in fixed-size blocks; the scheduler hands out "
@@ -561,6 +914,14 @@ def run_engine_generate(device: str = "cuda", timeout_s: float = 120.0) -> Secti
         )
         if split is not None:  # bf16 near-ties may differ: reported, not failed
             section.rows[-1]["same_tokens_as_auto"] = split == base
+        if QUANT_FIXTURE.is_dir() and time_left() >= 30:
+            # the marlin family exists only on GPU platforms (the CPU has its C kernel)
+            family = [] if device == "cpu" else ["--quantization", "gptq_marlin"]
+            run_generate(
+                section, f"engine generate --device {device}, GPTQ int4 {' '.join(family)}".strip(),
+                [*e2e_command(device, QUANT_FIXTURE), *family], env,
+                min(timeout_s, time_left()),
+            )
     return section
 
 
@@ -608,6 +969,7 @@ def main() -> int:
     global reserved_s
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-quant", action="store_true", help="skip sections 2b, 2c")
     parser.add_argument("--e2e-only", action="store_true", help="only section 3 (no GPU needed)")
     parser.add_argument("--e2e-device", default="cuda", help="--device for engine generate")
     parser.add_argument("--peak-bw-tbs", type=float, default=4.8, help="HBM TB/s (H200: 4.8)")
@@ -635,11 +997,25 @@ def main() -> int:
 
     sections = [check_correctness(torch, ua, rc, tb, stats, device)]
     sections.append(check_speed(torch, ua, device, args.peak_bw_tbs, args.peak_tflops))
+    quant_launches = None
+    if not args.skip_quant:
+        qi = guarded(sections[-1], "import quant_gemm_int", import_quant_kernels)
+        if qi is not None:
+            sections.append(check_quant(torch, qi, device, args.peak_bw_tbs, args.peak_tflops))
+            quant_launches = qi.launches
+    if not args.skip_quant:
+        fp_section = guarded(sections[-1], "quant fp section", check_quant_fp, torch, device,
+                             args.peak_bw_tbs, args.peak_tflops)
+        if fp_section is not None:
+            sections.append(fp_section)
     if not args.skip_e2e:
         reserved_s = 0.0
         torch.cuda.empty_cache()  # the engine process sizes its KV cache from free memory
         sections.append(run_engine_generate(args.e2e_device))
-    return finish(sections, stats.launches.snapshot())
+    launches = stats.launches.snapshot()
+    if quant_launches is not None:
+        launches.update(quant_launches.snapshot())
+    return finish(sections, launches)
 
 
 if __name__ == "__main__":

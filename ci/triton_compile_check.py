@@ -131,10 +131,17 @@ def main() -> int:
     JITFunction.__getitem__ = warmup_only
     ua.check_device = rc.check_device = lambda *args: None  # CPU tensors stand in for GPU ones
     failures = 0
-    for name, reqs, heads, kv_heads, head_size, block_size, dtype, extra in CASES:
+    cases = [(*case, None) for case in CASES] + [  # fp8 caches (engine.kernels.fp8_kv)
+        (f"{name} {str(fp8).removeprefix('torch.')}", *rest, fp8)
+        for name, *rest in CASES[:2] for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2)
+    ]
+    for name, reqs, heads, kv_heads, head_size, block_size, dtype, extra, fp8 in cases:
         q, cache, qsl, seq_lens, tables, max_q, max_s = _inputs(
             reqs, heads, kv_heads, head_size, block_size, dtype
         )
+        scales = {}
+        if fp8 is not None:
+            cache, scales = cache.float().to(fp8), {"k_scale": 0.5, "v_scale": 0.25}
         for splits in (1, 4):
             start = time.time()
             compiled.clear()
@@ -151,6 +158,7 @@ def main() -> int:
                     0.1,
                     num_kv_splits=splits,
                     **extra,
+                    **scales,
                 )
                 notes = "; ".join(f"{fn} {_spills(k, target)}".strip() for fn, k in compiled)
                 print(f"ok   {name} splits={splits} ({time.time() - start:.1f}s) {notes}")
@@ -159,7 +167,7 @@ def main() -> int:
                 print(f"FAIL {name} splits={splits}: {type(exc).__name__}: {exc}")
         try:
             key = torch.randn(3, kv_heads, head_size).to(dtype)
-            rc.reshape_and_cache(key, key, cache, torch.tensor([0, -1, 5]))
+            rc.reshape_and_cache(key, key, cache, torch.tensor([0, -1, 5]), **scales)
         except Exception as exc:  # noqa: BLE001
             failures += 1
             print(f"FAIL reshape_and_cache {name}: {type(exc).__name__}: {exc}")

@@ -139,7 +139,7 @@ def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
                else runtime["weight_dtype"])
     rows = [("runs on", f"{where}{f' on {cpu}' if cpu else ''}: {weights} weights "
                         f"({runtime['weights_mib']} MiB), {runtime['activation_dtype']} "
-                        "activations")]
+                        f"activations, {runtime.get('kv_cache_dtype', '?')} KV cache")]
     parallel = runtime.get("parallel")
     if parallel:
         rows.append(("ranks", f"tp {parallel['tensor_parallel_size']} x pp "

@@ -78,6 +78,11 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  show_default=True),
     click.option("--kv-cache-space", "cpu_kvcache_space_gib", type=float, default=None,
                  help="CPU KV cache size in GiB (env ENGINE_CPU_KVCACHE_SPACE; default 4)."),
+    click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+                 default="auto", show_default=True,
+                 help="What the KV cache stores: auto (the model dtype) or fp8 (= fp8_e4m3) / "
+                      "fp8_e5m2, one byte per value with the checkpoint's per-layer "
+                      "k_scale / v_scale (else 1.0): twice the blocks in the same memory."),
     click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
     click.option("--attention-backend", default=None,
                  help="Attention backend name (env ENGINE_ATTENTION_BACKEND)."),
@@ -134,10 +139,11 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
 ENGINE_OPTION_NAMES = (
     "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
-    "cpu_kvcache_space_gib", "gpu_memory_utilization", "attention_backend", "num_threads",
+    "cpu_kvcache_space_gib", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
+    "kv_transfer_config",
 )
 
 

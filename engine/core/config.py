@@ -60,7 +60,10 @@ class CacheConfig(BaseModel):
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: Literal["sha256"] = "sha256"
-    cache_dtype: Literal["auto"] = "auto"
+    # vLLM's --kv-cache-dtype: "auto" stores K/V in the model dtype; "fp8" (= "fp8_e4m3")
+    # and "fp8_e5m2" in one byte per value with per-layer scales (twice the blocks of a
+    # 16-bit cache in the same memory; engine.core.interfaces.attention).
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
     def resolved_cpu_kvcache_gib(self) -> float:
         if self.cpu_kvcache_space_gib is not None:

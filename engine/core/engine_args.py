@@ -67,6 +67,7 @@ class EngineArgs:
     cpu_kvcache_space_gib: float | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # vLLM's: auto (the model dtype), fp8, fp8_e4m3, fp8_e5m2
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192, raised to max_model_len without chunking
     enable_chunked_prefill: bool = True
@@ -162,6 +163,7 @@ class EngineArgs:
                 cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -3,7 +3,8 @@
 Cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``, index 0 = K, 1 = V. Token ``t`` goes to slot ``slot_mapping[t]`` =
 ``block_id * block_size + offset``; a negative slot means "do not store" (padding
-tokens, or tokens whose KV is already cached).
+tokens, or tokens whose KV is already cached). An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2``)
+stores the codes of ``key / k_scale`` and ``value / v_scale`` (:mod:`engine.kernels.fp8_kv`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels import stats
+from engine.kernels.fp8_kv import cache_format, float_to_fp8
 from engine.kernels.triton_utils import (
+    check_cache_dtype,
     check_device,
     check_dtype,
     interpreting,
@@ -43,8 +46,11 @@ def _reshape_and_cache_kernel(
     num_kv_heads,
     head_size,
     block_size,
+    k_scale,
+    v_scale,
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache's own dtype; else fp8_kv's format of uint8 codes
 ):
     """One program per token: copy its [num_kv_heads, head_size] K and V rows."""
     token = tl.program_id(0).to(tl.int64)
@@ -68,8 +74,14 @@ def _reshape_and_cache_kernel(
         ).to(tl.float32)
         dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch
         dst = dst + dims[None, :] * stride_cd
-        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+        if KV_FP8 > 0:  # IEEE division (not div.full): codes bit for bit as quantize_kv's
+            k = tl.div_rn(k, tl.zeros_like(k) + k_scale)
+            v = tl.div_rn(v, tl.zeros_like(v) + v_scale)
+            tl.store(key_cache_ptr + dst, float_to_fp8(k, KV_FP8), mask=mask)
+            tl.store(value_cache_ptr + dst, float_to_fp8(v, KV_FP8), mask=mask)
+        else:
+            tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
@@ -77,11 +89,14 @@ def reshape_and_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value`` [T, num_kv_heads, head_size] into ``kv_cache`` in place.
 
     ``kv_cache``: [2, num_blocks, block_size, num_kv_heads, head_size];
-    ``slot_mapping``: int [T] (int64 or int32), negative entries are skipped.
+    ``slot_mapping``: int [T] (int64 or int32), negative entries are skipped;
+    ``k_scale`` / ``v_scale``: an fp8 cache's (ignored for other dtypes).
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
@@ -104,11 +119,12 @@ def reshape_and_cache(
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     check_dtype("key", key)
     check_dtype("value", value)
-    check_dtype("kv_cache", kv_cache)
+    check_cache_dtype(kv_cache, k_scale, v_scale)
     check_device(_INTERPRETED, key, value, kv_cache, slot_mapping)
     if num_tokens == 0:
         return
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    fp8, cache = cache_format(kv_cache)
+    key_cache, value_cache = cache[0], cache[1]
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -121,8 +137,11 @@ def reshape_and_cache(
         num_kv_heads,
         head_size,
         block_size,
+        float(k_scale),
+        float(v_scale),
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_PAD=next_power_of_2(head_size),
+        KV_FP8=fp8,
         num_warps=4 if num_kv_heads * head_size >= 1024 else 1,
     )
     stats.launches.reshape_and_cache += 1

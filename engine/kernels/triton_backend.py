@@ -1,7 +1,8 @@
 """The Triton attention backend shared by the GPU plugins (and the CPU platform in tests).
 
 KV cache layout: one tensor per layer, ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` in the model dtype (index 0 = K, 1 = V); an MLA layer's is ``[num_blocks,
+head_size]`` in the model dtype or, with ``--kv-cache-dtype fp8 | fp8_e5m2``, fp8 codes
+scaled by the layer's ``k_scale`` / ``v_scale`` (index 0 = K, 1 = V); an MLA layer's is ``[num_blocks,
 block_size, entry_size]``, one latent entry per token. Each layer's ``forward`` writes the
 step's new K/V rows (``reshape_and_cache``) and then runs ``unified_attention`` over the
 cache (MLA layers: ``mla_write_cache`` and ``mla_attention``, in
@@ -98,7 +99,8 @@ class TritonAttentionImpl(AttentionImpl):
         if (key is None) != (value is None):
             raise ValueError("key and value must both be given or both be None")
         if key is not None:
-            self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+            self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping,
+                                    self.k_scale, self.v_scale)
         out = torch.empty_like(query)
         spec = self.spec
         return self._unified_attention(
@@ -115,6 +117,8 @@ class TritonAttentionImpl(AttentionImpl):
             logits_soft_cap=spec.logits_soft_cap,
             num_kv_splits=metadata.num_kv_splits,
             workspace=metadata.workspace,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
 
@@ -189,6 +193,11 @@ class TritonAttentionBackend(AttentionBackend):
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supported_kv_cache_dtypes(cls, mla: bool = False) -> tuple[str, ...]:
+        """fp8 caches for MHA / GQA layers (engine.kernels.fp8_kv); MLA: the model dtype."""
+        return ("auto",) if mla else ("auto", "fp8_e4m3", "fp8_e5m2")
 
     @classmethod
     def get_mla_kv_cache_shape(

@@ -51,6 +51,21 @@ def check_dtype(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} has dtype {tensor.dtype}; supported: float16, bfloat16, float32")
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_cache_dtype(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """A KV cache holds a float dtype or fp8 codes (engine.kernels.fp8_kv), these with
+    positive scales."""
+    if kv_cache.dtype in FP8_CACHE_DTYPES:
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"an fp8 KV cache needs positive scales, not {k_scale} / {v_scale}")
+        return
+    if kv_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype}; supported: float16, bfloat16, "
+                         "float32, float8_e4m3fn, float8_e5m2")
+
+
 @functools.cache
 def compute_units(device: torch.device) -> int:
     """Streaming multiprocessors / compute units of ``device`` (CPU cores when interpreted).

@@ -18,6 +18,10 @@ walks the keys in tiles of ``TILE`` positions (any block size: each position loo
 its own block), with online softmax in fp32 (base-2 exponentials, log2(e) folded into
 the scores).
 
+fp8 caches (``float8_e4m3fn`` / ``float8_e5m2``): the tiles are loaded as uint8 codes and
+widened exactly (:mod:`engine.kernels.fp8_kv`); ``k_scale`` multiplies the softmax scale
+and ``v_scale`` the output, which is attention over the dequantized cache.
+
 Split-KV (flash-decoding): with ``num_kv_splits > 1`` each program handles only an equal
 share of its key tiles and writes partial (max, sum, unnormalised output) rows; a second
 kernel merges the shares. It pays off when ``requests x kv heads`` programs cannot fill
@@ -33,8 +37,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels import stats
+from engine.kernels.fp8_kv import cache_format, fp8_to_float
 from engine.kernels.split_kv import SplitKVWorkspace, choose_num_kv_splits, split_kv_reduce
 from engine.kernels.triton_utils import (
+    check_cache_dtype,
     check_device,
     check_dtype,
     compute_units,
@@ -80,7 +86,8 @@ def _unified_attention_kernel(
     block_tables_ptr,
     num_reqs,
     num_heads,
-    scale,
+    scale,  # times an fp8 cache's k_scale
+    v_scale,  # an fp8 cache's (unused otherwise)
     soft_cap,
     sliding_window,
     stride_qt,
@@ -107,6 +114,7 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache's own dtype; else fp8_kv's format of uint8 codes
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -165,13 +173,19 @@ def _unified_attention_kernel(
         slot = slot + kv_head * stride_ch
         kv_mask = k_valid[None, :] & dim_valid[:, None]
         k = tl.load(
-            key_cache_ptr + slot[None, :] + dims[:, None] * stride_cd, mask=kv_mask, other=0.0
-        ).to(tl.float32)  # [HEAD_PAD, TILE]
+            key_cache_ptr + slot[None, :] + dims[:, None] * stride_cd, mask=kv_mask, other=0
+        )  # [HEAD_PAD, TILE]
         v = tl.load(
             value_cache_ptr + slot[:, None] + dims[None, :] * stride_cd,
             mask=k_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [TILE, HEAD_PAD]
+            other=0,
+        )  # [TILE, HEAD_PAD]
+        if KV_FP8 > 0:  # codes: their values (the scales are applied to scores / output)
+            k = fp8_to_float(k, KV_FP8)
+            v = fp8_to_float(v, KV_FP8)
+        else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
         s = tl.dot(q_dot, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale
         if USE_SOFT_CAP:
@@ -191,6 +205,8 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8 > 0:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
@@ -260,9 +276,9 @@ def _validate(
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
     if out.dtype != q.dtype:
         raise ValueError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
-    # The cache may be narrower than q (float32 activations over a bf16 cache): every
-    # value is widened to float32 as it is loaded.
-    for name, tensor in (("q", q), ("kv_cache", kv_cache), ("out", out)):
+    # The cache may be narrower than q (float32 activations over a bf16 cache, or fp8
+    # codes): every value is widened to float32 as it is loaded.
+    for name, tensor in (("q", q), ("out", out)):
         check_dtype(name, tensor)
     num_reqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_reqs + 1,):
@@ -300,14 +316,18 @@ def unified_attention(
     workspace: SplitKVWorkspace | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention of ``q`` [T, num_heads, head_size] into ``out`` (returned).
 
     ``num_kv_splits``: None picks automatically (:func:`choose_num_kv_splits`), 1 forces
     the single-pass kernel, n > 1 forces split-KV with n splits. ``block_m`` / ``tile_size``
     override the query-rows x key-positions tile (powers of two, >= 16 on a GPU).
+    ``k_scale`` / ``v_scale``: an fp8 cache's (K = k_scale * code), ignored otherwise.
     """
     _validate(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
+    check_cache_dtype(kv_cache, k_scale, v_scale)
     if sliding_window is not None and sliding_window < 0:
         raise ValueError(
             f"sliding_window must be positive (or None/0 for off), got {sliding_window}"
@@ -338,7 +358,8 @@ def unified_attention(
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     block_q = rows // qpk_pad
     dot_dtype, dot_precision = _dot_types(q.dtype)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    fp8, cache = cache_format(kv_cache)
+    key_cache, value_cache = cache[0], cache[1]
     if num_kv_splits > 1:
         workspace = workspace if workspace is not None else SplitKVWorkspace()
         part_max, part_sum, part_acc = workspace.get(
@@ -361,7 +382,8 @@ def unified_attention(
         block_tables,
         num_reqs,
         num_heads,
-        float(scale),
+        float(scale) * (float(k_scale) if fp8 else 1.0),
+        float(v_scale),
         float(logits_soft_cap or 0.0),
         int(sliding_window or 0),
         *q.stride(),
@@ -381,6 +403,7 @@ def unified_attention(
         USE_WINDOW=bool(sliding_window),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        KV_FP8=fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -48,6 +48,39 @@ class StackedParam:
     shard_id: Any  # e.g. "q"
 
 
+# vLLM's checkpoint spellings of an attention layer's fp8 KV cache scales, as suffixes of
+# ``<layer>.self_attn``: the parameters of its ``attn`` (layers/attention.py) they fill.
+# ``kv_scale`` is the deprecated single scale (both); ``k_proj.k_scale`` ModelOpt's;
+# ``k_proj.output_scale`` llm-compressor / compressed-tensors'.
+_KV_SCALE_NAMES = {
+    ".k_scale": ("k_scale",), ".v_scale": ("v_scale",), ".kv_scale": ("k_scale", "v_scale"),
+    ".k_proj.k_scale": ("k_scale",), ".v_proj.v_scale": ("v_scale",),
+    ".k_proj.output_scale": ("k_scale",), ".v_proj.output_scale": ("v_scale",),
+}
+# Scales of fp8 queries / probabilities (attention computed in fp8): nothing here uses
+# them, so checkpoints that carry them still load.
+_UNUSED_ATTENTION_SCALES = (".q_scale", ".prob_scale", ".q_proj.output_scale",
+                            ".prob_output_scale")
+
+
+def kv_scale_targets(ckpt_name: str, params: dict[str, Any]) -> list[str] | None:
+    """The KV cache scale parameters a checkpoint tensor fills (vLLM's
+    ``maybe_remap_kv_scale_name``), [] for the query / probability scales nothing uses,
+    None when ``ckpt_name`` is no attention scale of this model."""
+    if ".self_attn." not in ckpt_name:
+        return None
+    for suffix, targets in _KV_SCALE_NAMES.items():
+        if ckpt_name.endswith(suffix):
+            base = ckpt_name[: -len(suffix)]
+            attn = base if base.endswith(".attn") else base + ".attn"
+            names = [f"{attn}.{target}" for target in targets]
+            if all(name in params for name in names):
+                return names
+    if ckpt_name.endswith(_UNUSED_ATTENTION_SCALES):
+        return []
+    return None
+
+
 def load_named_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -65,8 +98,10 @@ def load_named_weights(
     saved ``lm_head.weight`` when the head is tied). ``optional``: parameters that may
     stay unloaded (the caller handles them). ``name_mapper(name)`` -> ``(parameter,
     shard_id)`` or None, consulted before ``stacked``: names that carry their shard id
-    (a MoE layer's ``experts.{e}.w1``). Raises ``ValueError`` naming every
-    unexpected checkpoint tensor and every parameter (or shard) left unloaded.
+    (a MoE layer's ``experts.{e}.w1``). Parameters flagged ``optional_weight`` (an
+    attention layer's KV cache scales, whose checkpoint names :func:`kv_scale_targets`
+    maps) may stay unloaded too. Raises ``ValueError`` naming every unexpected
+    checkpoint tensor and every parameter (or shard) left unloaded.
     """
     params = dict(module.named_parameters())
     stacked = list(stacked)
@@ -76,6 +111,17 @@ def load_named_weights(
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name in ignore or any(s in ckpt_name for s in skip_substrings):
+            continue
+        scale_targets = None if ckpt_name in params else kv_scale_targets(ckpt_name, params)
+        if scale_targets is not None:
+            for name in scale_targets:
+                loader = getattr(params[name], "weight_loader", default_weight_loader)
+                try:
+                    loader(params[name], tensor)
+                except ValueError as exc:
+                    raise ValueError(f"cannot load checkpoint tensor {ckpt_name!r}: {exc}"
+                                     ) from exc
+                loaded.add((name, None))
             continue
         name, shard_id = ckpt_name, None
         mapped = name_mapper(ckpt_name) if name_mapper is not None else None
@@ -103,7 +149,8 @@ def load_named_weights(
     for name, param in params.items():
         shard_ids = getattr(param, "shard_ids", None)
         if shard_ids is None:
-            if (name, None) not in loaded and name not in optional:
+            if (name, None) not in loaded and name not in optional and not getattr(
+                    param, "optional_weight", False):
                 missing.append(name)
             continue
         lacking = [s for s in shard_ids if (name, s) not in loaded]

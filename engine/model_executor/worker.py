@@ -16,6 +16,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.interfaces import Platform
+from engine.core.interfaces.attention import kv_cache_torch_dtype
 from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.model_executor import kernel_report
 from engine.model_executor.model_loader import load_model
@@ -51,6 +52,8 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
             raise ValueError(why)
     backend_cls = platform.get_attention_backend(config.device.attention_backend)
     attn_backend = backend_cls(config.cache.block_size, platform.device())
+    if config.cache.kv_cache_dtype != "auto":  # before the layers are made: they read it
+        attn_backend.set_kv_cache_dtype(config.cache.kv_cache_dtype)
     model = load_model(
         config.model.model, dtype, platform.device(), attn_backend,
         quantization=config.model.quantization,
@@ -92,9 +95,12 @@ class Worker:
         self.weights_bytes = kernel_report.weight_bytes(self.model)
         spec = self.model.kv_cache_spec()
         # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
-        # float32 keeps bf16 K/V, which the attention kernels widen as they read.
-        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size, dtype,
-                                   mla=spec.mla)
+        # float32 keeps bf16 K/V, which the attention kernels widen as they read; or, with
+        # --kv-cache-dtype fp8 / fp8_e5m2, one byte per value (a draft model's cache
+        # stays in the model dtype).
+        kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
+        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size,
+                                   kv_dtype, mla=spec.mla)
         from engine.spec_decode.factory import build_proposer
 
         self.proposer = build_proposer(

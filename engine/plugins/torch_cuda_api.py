@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.core.interfaces import Platform
+from engine.core.interfaces import DeviceCapability, Platform
 from engine.plugins.gpu_memory import gpu_kv_cache_bytes
 
 if TYPE_CHECKING:
@@ -37,6 +37,25 @@ class TorchCudaApiPlatform(Platform):
         import torch
 
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def device_capability(self) -> DeviceCapability | None:
+        """Compute capability and FP8 support of the current device (ROCm: gfx arch,
+        e4m3fnuz on MI300-class gfx94x)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        if torch.version.hip is not None:
+            arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+            fnuz = arch.startswith("gfx94")
+            fp8 = "e4m3fnuz" if fnuz else ("e4m3fn" if arch.startswith("gfx95") else None)
+            return DeviceCapability("amd", arch, major, minor, fp8_dtype=fp8,
+                                    fp8_mma=fp8 is not None, int8_mma=True)
+        has_fp8 = (major, minor) >= (8, 9)
+        return DeviceCapability("nvidia", f"sm_{major}{minor}", major, minor,
+                                fp8_dtype="e4m3fn" if has_fp8 else None, fp8_mma=has_fp8,
+                                fp4_mma=major >= 10, int8_mma=(major, minor) >= (7, 5))
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:
         """Device ``local_rank`` becomes this process's current device."""
@@ -90,6 +109,29 @@ class TorchCudaApiPlatform(Platform):
         from engine.kernels.fused_moe import TritonFusedMoEKernel
 
         return [TritonFusedMoEKernel]
+
+    def quantized_gemm_kernels(self) -> list[type[Any]]:
+        """The Triton weight-only int kernels (Marlin-style first, then the plain W4A16 /
+        W8A16 one: :mod:`engine.kernels.quant_gemm_int`), then the Triton FP8 / int8 /
+        NVFP4 ones (``engine.kernels.quant_gemm_fp.fp_gemm_kernels``, when that module
+        exists), all bound to this device's capability; [] without triton."""
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return []
+        from engine.kernels.quant_gemm_int import int_gemm_kernels
+
+        capability = self.device_capability()
+        int_kernels = int_gemm_kernels(capability)
+        try:
+            from engine.kernels.quant_gemm_fp import fp_gemm_kernels
+        except ImportError as exc:  # not there (yet); a broken one still fails loudly
+            if exc.name != "engine.kernels.quant_gemm_fp":
+                raise
+            fp_kernels: list[type[Any]] = []
+        else:
+            fp_kernels = list(fp_gemm_kernels(capability))
+        return [*int_kernels, *fp_kernels]
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import NcclCommunicator

@@ -241,7 +241,9 @@ def test_half_precision_tracks_float32(saved_models, dtype):
     hf_model, path = saved_models("llama_gqa")
     tokens = list(range(3, 3 + 10))
     model = load(path, dtype)
-    assert all(p.dtype == dtype for p in model.parameters())
+    # every weight in dtype; the attention layers' fp8 KV cache scales stay float32
+    assert all(p.dtype == dtype for name, p in model.named_parameters()
+               if not name.endswith((".attn.k_scale", ".attn.v_scale")))
     got = PagedSequences(model).step({0: tokens})[0]
     expected = hf_logits(hf_model, tokens)
     assert got.dtype == torch.float32

@@ -15,7 +15,7 @@ from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
 from engine.core.interfaces.graphs import ForwardGraph, ForwardGraphCapturer, GraphCaptureError
 from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
-from engine.core.interfaces.platform import Platform, ProbeResult
+from engine.core.interfaces.platform import DeviceCapability, Platform, ProbeResult
 from engine.core.interfaces.quant import (
     ActivationQuant,
     QuantizedGemmKernel,
@@ -37,6 +37,7 @@ __all__ = [
     "AttentionLayerSpec",
     "Communicator",
     "DenseGemmKernel",
+    "DeviceCapability",
     "DenseLayerSpec",
     "ForwardGraph",
     "ForwardGraphCapturer",

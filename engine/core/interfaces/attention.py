@@ -23,6 +23,19 @@ scores whole entries, and the values are the entries' first ``kv_lora_rank`` dim
 layer's output is ``[T, num_heads, kv_lora_rank]`` (the model applies the value
 up-projection). Its cache layout comes from :meth:`AttentionBackend.get_mla_kv_cache_shape`
 and costs ``block_size * entry_size * dtype bytes`` per block and layer.
+
+FP8 KV cache (vLLM's ``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``): a backend that lists
+the format in :meth:`AttentionBackend.supported_kv_cache_dtypes` stores one byte per value
+(``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, the same cache shape) and every layer
+has two float32 scales, :attr:`AttentionImpl.k_scale` / :attr:`AttentionImpl.v_scale`
+(from the checkpoint, else 1.0). Writing quantizes: the cache holds ``fp8(key /
+k_scale)`` computed in float32, rounded to nearest even and saturated to the format's
+largest finite value (448 for e4m3, 57344 for e5m2; NaN stays NaN), as
+:func:`quantize_kv` does; reading dequantizes: ``key = float(cache) * k_scale`` (the
+same for values with ``v_scale``). Kernels may fold the scales elsewhere (``k_scale``
+into the softmax scale, ``v_scale`` into the output) as long as the result is that of
+attention over the dequantized values. Only block ids reach the scheduler, so prefix
+caching and speculative decoding do not see the format.
 """
 
 from __future__ import annotations
@@ -33,6 +46,54 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
+
+
+# vLLM's --kv-cache-dtype values; "fp8" means "fp8_e4m3" (OCP e4m3fn).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_FP8_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """``auto``, ``fp8_e4m3`` or ``fp8_e5m2`` for a ``--kv-cache-dtype`` value."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not supported; use one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return "fp8_e4m3" if name == "fp8" else name
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: "torch.dtype") -> "torch.dtype":
+    """The cache tensors' dtype: the model dtype for ``auto``, else the fp8 format."""
+    import torch
+
+    canonical = canonical_kv_cache_dtype(name)
+    if canonical == "auto":
+        return model_dtype
+    return getattr(torch, _FP8_TORCH_DTYPES[canonical])
+
+
+def is_fp8_kv_cache(dtype: "torch.dtype") -> bool:
+    import torch
+
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: "torch.Tensor", scale: float, dtype: "torch.dtype") -> "torch.Tensor":
+    """What an fp8 cache of ``dtype`` stores for ``x``: ``x / scale`` in float32, saturated
+    to the format's largest finite value, rounded to nearest even (the reference every
+    backend's store matches bit for bit)."""
+    import torch
+
+    bound = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-bound, bound).to(dtype)
+
+
+def dequantize_kv(cache: "torch.Tensor", scale: float, dtype: "torch.dtype | None" = None
+                  ) -> "torch.Tensor":
+    """``float(cache) * scale`` (float32, or rounded to ``dtype``)."""
+    import torch
+
+    out = cache.to(torch.float32) * scale
+    return out if dtype is None or dtype == torch.float32 else out.to(dtype)
 
 
 @dataclass
@@ -72,6 +133,9 @@ class AttentionLayerSpec:
     logits_soft_cap: float | None = None
     # MLA: the latent width; head_size is then kv_lora_rank + rope dims, num_kv_heads 1.
     kv_lora_rank: int | None = None
+    # What the cache stores: "auto" (the model dtype), "fp8_e4m3" or "fp8_e5m2" (see the
+    # module docstring; the backend's kv_cache_dtype when the layer was made).
+    kv_cache_dtype: str = "auto"
 
     @property
     def is_mla(self) -> bool:
@@ -79,7 +143,14 @@ class AttentionLayerSpec:
 
 
 class AttentionImpl(ABC):
-    """Per-layer attention: write this step's K/V into the cache, then attend."""
+    """Per-layer attention: write this step's K/V into the cache, then attend.
+
+    ``k_scale`` / ``v_scale``: the layer's fp8 cache scales (see the module docstring),
+    set by the attention layer once its weights are loaded (before any forward is run
+    or captured); a cache of the model dtype ignores them."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         self.spec = spec
@@ -103,10 +174,29 @@ class AttentionBackend(ABC):
     """A family of attention kernels with one KV cache layout."""
 
     name: ClassVar[str]
+    # What the caches of the layers made from now on store (canonical_kv_cache_dtype);
+    # "auto": the model dtype. Set with set_kv_cache_dtype before the model is built.
+    kv_cache_dtype: str = "auto"
 
     def __init__(self, block_size: int, device: "torch.device") -> None:
         self.block_size = block_size
         self.device = device
+
+    @classmethod
+    def supported_kv_cache_dtypes(cls, mla: bool = False) -> tuple[str, ...]:
+        """The ``canonical_kv_cache_dtype`` values this backend's kernels store and read
+        (for MLA layers when ``mla``); "auto" alone: no fp8 cache."""
+        return ("auto",)
+
+    def set_kv_cache_dtype(self, name: str) -> None:
+        """Store ``name`` (a ``--kv-cache-dtype`` value) in the caches of every layer made
+        from now on; ValueError when the kernels cannot."""
+        canonical = canonical_kv_cache_dtype(name)
+        supported = self.supported_kv_cache_dtypes()
+        if canonical not in supported:
+            raise ValueError(f"attention backend {self.name!r} has no {name} KV cache "
+                             f"(--kv-cache-dtype {' | '.join(supported)})")
+        self.kv_cache_dtype = canonical
 
     @classmethod
     @abstractmethod
@@ -153,6 +243,10 @@ class AttentionBackend(ABC):
             if spec.num_kv_heads != 1 or spec.kv_lora_rank >= spec.head_size:
                 return (f"an MLA layer has one latent entry per token (num_kv_heads 1) wider "
                         f"than its kv_lora_rank, not {spec.num_kv_heads} x {spec.head_size}")
+        if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes(spec.is_mla):
+            what = "multi-head latent attention (MLA) layers" if spec.is_mla else "layers"
+            return (f"{cls.name} has no {spec.kv_cache_dtype} KV cache for {what}; use "
+                    "--kv-cache-dtype auto")
         heads = cls.supported_head_sizes()
         if heads is not None and spec.head_size not in heads and not spec.is_mla:
             return f"{cls.name} supports head sizes {heads}, not {spec.head_size}"

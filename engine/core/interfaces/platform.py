@@ -28,6 +28,26 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class DeviceCapability:
+    """A device's identity and arithmetic, as kernels need to choose a path.
+
+    ``arch``: e.g. "sm_90", "gfx942", "xe-hpc"; ``major`` / ``minor``: CUDA compute
+    capability (or the vendor's closest analogue); ``fp8_dtype``: the FP8 e4m3 flavour
+    the hardware computes in ("e4m3fn"; "e4m3fnuz" on MI300-class ROCm; None: none);
+    ``fp8_mma`` / ``fp4_mma`` / ``int8_mma``: tensor-core (matrix) instructions for those
+    types."""
+
+    vendor: str
+    arch: str
+    major: int = 0
+    minor: int = 0
+    fp8_dtype: str | None = None
+    fp8_mma: bool = False
+    fp4_mma: bool = False
+    int8_mma: bool = False
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     """Whether a platform can run here, and why not when it cannot."""
 
@@ -182,6 +202,11 @@ class Platform(ABC):
 
     # The Ray resource one rank of this platform reserves (None: one CPU).
     ray_device_key: str | None = None
+
+    def device_capability(self) -> "DeviceCapability | None":
+        """What the device's arithmetic can do, for kernels' ``can_implement`` (None:
+        not a GPU-class device; kernels that need one refuse)."""
+        return None
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:
         """Give a worker process its share of the node: ``local_rank`` of

@@ -1,11 +1,18 @@
 """The attention layer: a thin, device-neutral shell around the platform's kernel.
 
-It owns no weights. At construction it asks the backend whether it can serve this
-layer's shape (a clear error otherwise) and gets the per-layer kernel object; at run
-time it finds this step's metadata and its own KV cache in the forward context.
+It owns no weights but two optional float32 scalars, ``k_scale`` and ``v_scale``: the
+scales of an fp8 KV cache (vLLM's names; a checkpoint without them leaves 1.0, and a
+cache of the model dtype ignores them; weight_utils maps the checkpoint spellings). At
+construction it asks the backend whether it can serve this layer's shape and cache
+dtype (a clear error otherwise) and gets the per-layer kernel object, which it hands the
+scales once they are loaded; at run time it finds this step's metadata and its own KV
+cache in the forward context.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +59,7 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             kv_lora_rank=kv_lora_rank,
+            kv_cache_dtype=getattr(attn_backend, "kv_cache_dtype", "auto"),
         )
         why = attn_backend.validate(self.spec, attn_backend.block_size)
         if why is not None:
@@ -59,29 +67,70 @@ class Attention(nn.Module):
                 f"attention backend {attn_backend.name!r} cannot run layer {layer_idx}: {why}"
             )
         self.impl = attn_backend.make_impl(self.spec)
+        device = getattr(attn_backend, "device", None)
+        self.k_scale = self._kv_scale_parameter(device)
+        self.v_scale = self._kv_scale_parameter(device)
+
+    def _kv_scale_parameter(self, device: Any) -> nn.Parameter:
+        """A float32 scalar the checkpoint may fill (``optional_weight``), 1.0 otherwise."""
+        param = nn.Parameter(torch.ones((), dtype=torch.float32, device=device),
+                             requires_grad=False)
+        param.weight_loader = self._load_kv_scale
+        param.optional_weight = True
+        return param
+
+    def _load_kv_scale(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        from engine.model_executor.lazy_tensor import materialize
+
+        if shard_id is not None:
+            raise ValueError(f"a KV cache scale has no shard {shard_id!r}")
+        value = materialize(loaded)
+        if value.numel() != 1:
+            raise ValueError(f"KV cache scales are per layer (one value), not "
+                             f"{tuple(value.shape)} (per-head scales are not supported)")
+        param.copy_(value.reshape(()).to(torch.float32))
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Hand the (loaded or default) scales to the kernel object as floats."""
+        scales = {"k_scale": float(self.k_scale), "v_scale": float(self.v_scale)}
+        for name, value in scales.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"attention layer {self.layer_idx}: {name} must be a "
+                                 f"positive finite number, not {value}")
+        self.impl.k_scale, self.impl.v_scale = scales["k_scale"], scales["v_scale"]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
         """MHA: ``[T, H*D]`` out. MLA (``kv_lora_rank`` set): ``q [T, H*D]`` absorbed
         queries, ``k [T, D]`` latent entries, no ``v``; ``[T, H, kv_lora_rank]`` out."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
+        connector = ctx.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.cache_index)
+        cache = ctx.kv_caches[self.cache_index]
         if self.spec.is_mla:
-            return self.impl.forward(
+            out = self.impl.forward(
                 q.view(num_tokens, self.num_heads, self.head_size),
-                k.view(num_tokens, 1, self.head_size), None,
-                ctx.kv_caches[self.cache_index], ctx.attn_metadata,
+                k.view(num_tokens, 1, self.head_size), None, cache, ctx.attn_metadata,
             )
-        out = self.impl.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
-            ctx.kv_caches[self.cache_index],
-            ctx.attn_metadata,
-        )
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        else:
+            out = self.impl.forward(
+                q.view(num_tokens, self.num_heads, self.head_size),
+                k.view(num_tokens, self.num_kv_heads, self.head_size),
+                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                cache,
+                ctx.attn_metadata,
+            ).reshape(num_tokens, self.num_heads * self.head_size)
+        if connector is not None:
+            connector.save_kv_layer(self.cache_index, cache, ctx.attn_metadata)
+        return out
 
     def extra_repr(self) -> str:
         return (
             f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, window={self.spec.sliding_window}"
+            + ("" if self.spec.kv_cache_dtype == "auto" else
+               f", kv_cache={self.spec.kv_cache_dtype} (k_scale={self.impl.k_scale:g}, "
+               f"v_scale={self.impl.v_scale:g})")
         )

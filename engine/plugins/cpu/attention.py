@@ -3,7 +3,11 @@
 
 The cache holds the model dtype; queries may be wider (float32 activations over a bf16
 cache, on CPUs without bf16 arithmetic): keys and values are rounded into the cache
-and widened as they are read.
+and widened as they are read. With ``--kv-cache-dtype fp8 | fp8_e5m2`` it holds fp8 codes
+of ``key / k_scale`` and ``value / v_scale`` (the layer's scales, see
+:mod:`engine.core.interfaces.attention`): the C kernels quantize as they store and widen
+the codes exactly as they read (the scales folded into the softmax scale and the
+output); the torch-op paths quantize with torch and dequantize the gathered blocks.
 
 Cache layout (one tensor per layer)::
 
@@ -64,6 +68,7 @@ from engine.core.interfaces import (
     AttentionImpl,
     AttentionLayerSpec,
 )
+from engine.core.interfaces.attention import dequantize_kv, is_fp8_kv_cache, quantize_kv
 from engine.plugins.cpu.mla_attention import CPUMLAAttentionImpl, MLAPlan
 from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
@@ -336,6 +341,7 @@ class CPUAttentionImpl(AttentionImpl):
         return self.kernels.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens,
             spec.scale, spec.sliding_window, spec.logits_soft_cap,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )
 
     def _cache_views(
@@ -361,17 +367,26 @@ class CPUAttentionImpl(AttentionImpl):
         md: CPUAttentionMetadata,
     ) -> None:
         if self.kernels is not None:
-            self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache)
+            self.kernels.write_kv(key, value, md.slot_mapping, key_cache, value_cache,
+                                  self.k_scale, self.v_scale)
             return
         where = md.write_index()
         if where.rows is not None:
             key, value = key[where.rows], value[where.rows]
         layout = self._views[3]
         tokens = layout.token_view(key_cache, md.block_size, self.spec.head_size)
-        tokens[where.block, :, where.offset] = key.to(key_cache.dtype).unflatten(
-            -1, (-1, layout.pack)
-        )
-        value_cache[where.block, :, where.offset] = value.to(value_cache.dtype)
+        dtype = key_cache.dtype
+        if is_fp8_kv_cache(dtype):
+            key, value = quantize_kv(key, self.k_scale, dtype), quantize_kv(value, self.v_scale,
+                                                                            dtype)
+        tokens[where.block, :, where.offset] = key.to(dtype).unflatten(-1, (-1, layout.pack))
+        value_cache[where.block, :, where.offset] = value.to(dtype)
+
+    def _widen(self, gathered: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache values in the queries' ``dtype`` (an fp8 cache's dequantized)."""
+        if is_fp8_kv_cache(gathered.dtype):
+            return dequantize_kv(gathered, scale, dtype)
+        return gathered.to(dtype)
 
     def _gather_values(self, cache: torch.Tensor, plan: _KeyPlan) -> torch.Tensor:
         """The plan's value blocks as ``[..., kv_heads, nb * block_size, D]`` (one copy)."""
@@ -399,8 +414,9 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         spec = self.spec
         plan = md.decode_plan(spec.sliding_window)
-        keys = self._gather_keys(key_cache, plan).to(query.dtype)  # [Rd, Hkv, L, D]
-        values = self._gather_values(value_cache, plan).to(query.dtype)
+        keys = self._widen(self._gather_keys(key_cache, plan), self.k_scale,
+                           query.dtype)  # [Rd, Hkv, L, D]
+        values = self._widen(self._gather_values(value_cache, plan), self.v_scale, query.dtype)
         q = query.view(-1, spec.num_kv_heads, self.group, spec.head_size)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.reshape(-1, spec.num_heads, spec.head_size)
@@ -417,8 +433,9 @@ class CPUAttentionImpl(AttentionImpl):
         # [Hkv, group, L, D] as a stride-0 view: no copy, and unlike a broadcast batch
         # dim it keeps SDPA on its fused kernel instead of the score-materializing one.
         shape = (spec.num_kv_heads, self.group, -1, spec.head_size)
-        keys = self._gather_keys(key_cache, plan).to(query.dtype).unsqueeze(1).expand(shape)
-        values = self._gather_values(value_cache, plan).to(query.dtype).unsqueeze(1).expand(shape)
+        keys = self._widen(self._gather_keys(key_cache, plan), self.k_scale, query.dtype)
+        values = self._widen(self._gather_values(value_cache, plan), self.v_scale, query.dtype)
+        keys, values = keys.unsqueeze(1).expand(shape), values.unsqueeze(1).expand(shape)
         q = query.view(q_len, spec.num_kv_heads, self.group, spec.head_size).permute(1, 2, 0, 3)
         out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
         return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_size)
@@ -429,6 +446,12 @@ class CPUAttentionBackend(AttentionBackend):
     through the plugin's C kernel where it serves the layer, the rest with torch ops."""
 
     name: ClassVar[str] = "cpu"
+
+    @classmethod
+    def supported_kv_cache_dtypes(cls, mla: bool = False) -> tuple[str, ...]:
+        """fp8 caches for MHA / GQA layers (the C kernels at every ISA level and the
+        torch-op paths); MLA caches hold the model dtype."""
+        return ("auto",) if mla else ("auto", "fp8_e4m3", "fp8_e5m2")
 
     @classmethod
     def get_kv_cache_shape(

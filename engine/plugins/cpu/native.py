@@ -45,6 +45,8 @@ MAX_GROUP_ELEMS = 8192  # query heads per KV head (rounded up to 4) x head size
 MAX_SPLITS = 64  # key ranges per (request, KV head)
 _FEATURE_BF16_DOT, _FEATURE_AMX = 1, 2  # kernel_features() bits (csrc/runtime.c)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# What the attention kernels' caches may hold besides those: fp8 codes (csrc/cpu_math.h).
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 _LOCK = threading.Lock()
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -186,12 +188,13 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr,  # block_tables, bt_stride, seq_lens
             _ptr, _i32, _i32, _i32, _i32,  # out, num_reqs, num_heads, num_kv_heads, head_size
             _i32, _i32, _f32, _i32, _f32,  # block_size, cache dtype, scale, window, soft_cap
-            _i32, _i32,  # num_splits, query dtype
+            _i32, _i32, _f32, _f32,  # num_splits, query dtype, fp8 k_scale, v_scale
         ])
         self._write_kv = _bind_op(lib.write_kv, [
             _ptr, _i64, _i64, _ptr, _i64, _i64,  # key + strides, value + strides
             _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
             _i32, _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtypes
+            _f32, _f32,  # fp8 k_scale, v_scale
         ])
         self._rms_norm = _bind_op(lib.rms_norm, [
             _ptr, _i64, _i64, _ptr, _i64,  # x, token stride, heads, residual, its stride
@@ -235,7 +238,8 @@ class CPUKernels(FusedOps):
         return f"CPUKernels(level={self.level!r}, path={str(self.path)!r})"
 
     def key_layout(self, dtype: torch.dtype) -> KeyLayout:
-        """The K cache layout :meth:`write_kv` writes and the decode kernel reads."""
+        """The K cache layout :meth:`write_kv` writes and the decode kernel reads (fp8
+        caches: dims major)."""
         if dtype == torch.bfloat16 and self.has_bf16_dot:
             return KeyLayout.DIM_PAIRS
         return KeyLayout.DIMS_MAJOR
@@ -362,15 +366,21 @@ class CPUKernels(FusedOps):
         slots: torch.Tensor,  # int64 [T], contiguous; -1: not written
         key_cache: torch.Tensor,  # [num_blocks, Hkv, block_size * D] in key_layout(dtype)
         value_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, D]
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Store the step's new K/V rows at their slots (K in :meth:`key_layout`, the
         layout the decode kernel reads), rounded to the caches' dtype, in one call
-        instead of two indexed stores."""
+        instead of two indexed stores. An fp8 cache stores ``quantize_kv(key, k_scale)``
+        (engine.core.interfaces.attention) and the same of the values, bit for bit."""
         num_tokens, num_kv_heads, head_size = key.shape
         block_size = value_cache.shape[2]
         dtype = key_cache.dtype
         if value_cache.dtype != dtype or value.dtype != key.dtype or key.dtype not in DTYPE_CODES:
             raise ValueError("keys / values must share a dtype, and so must the two caches")
+        if dtype not in CACHE_DTYPE_CODES:
+            raise ValueError(f"write_kv has no {dtype} cache")
+        _check_kv_scales(dtype, k_scale, v_scale)
         if key.stride(2) != 1 or value.stride(2) != 1 or slots.dtype != torch.int64:
             raise ValueError("K/V rows must be contiguous in the head dim and slots int64")
         if tuple(value.shape) != tuple(key.shape) or not slots.is_contiguous():
@@ -380,8 +390,8 @@ class CPUKernels(FusedOps):
                                 value.data_ptr(), value.stride(0), value.stride(1),
                                 slots.data_ptr(), num_tokens, key_cache.data_ptr(),
                                 value_cache.data_ptr(), value_cache.shape[0], num_kv_heads,
-                                head_size, block_size, DTYPE_CODES[dtype],
-                                DTYPE_CODES[key.dtype])
+                                head_size, block_size, CACHE_DTYPE_CODES[dtype],
+                                DTYPE_CODES[key.dtype], k_scale, v_scale)
         if status != 0:
             raise ValueError(f"a slot is outside the cache of {value_cache.shape[0]} blocks of "
                              f"{block_size} (or below -1)")
@@ -568,17 +578,23 @@ class CPUKernels(FusedOps):
         window: int | None = None,
         soft_cap: float | None = None,
         num_splits: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention straight from the paged cache; ``[R, H, D]`` in the query's dtype
         (which may be wider than the cache's: float32 activations over a bf16 cache).
 
         ``num_splits``: key ranges per (request, KV head), merged afterwards; None lets
-        the kernel pick (:meth:`decode_key_splits`), so a replayed graph picks per step."""
+        the kernel pick (:meth:`decode_key_splits`), so a replayed graph picks per step.
+        An fp8 cache's keys read as ``k_scale * code``, its values as ``v_scale * code``
+        (the scales ignored for other caches)."""
         num_reqs, num_heads, head_size = query.shape
         num_blocks, num_kv_heads, block_size, _ = value_cache.shape
         dtype = key_cache.dtype
-        if value_cache.dtype != dtype or dtype not in DTYPE_CODES or query.dtype not in DTYPE_CODES:
+        if (value_cache.dtype != dtype or dtype not in CACHE_DTYPE_CODES
+                or query.dtype not in DTYPE_CODES):
             raise ValueError(f"query {query.dtype} / cache {dtype}: supported dtypes needed")
+        _check_kv_scales(dtype, k_scale, v_scale)
         if value_cache.shape[3] != head_size:
             raise ValueError(f"the value cache holds head size {value_cache.shape[3]}, "
                              f"the query {head_size}")
@@ -599,8 +615,8 @@ class CPUKernels(FusedOps):
             key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_size,
-            block_size, DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0, num_splits,
-            DTYPE_CODES[query.dtype],
+            block_size, CACHE_DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0,
+            num_splits, DTYPE_CODES[query.dtype], k_scale, v_scale,
         )
         if status != 0:
             raise ValueError(
@@ -627,6 +643,11 @@ def _bias_pointer(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> int 
     if bias.dtype != dtype or bias.shape != (n,) or not bias.is_contiguous():
         raise ValueError(f"bias must be a contiguous {dtype} [{n}]")
     return bias.data_ptr()
+
+
+def _check_kv_scales(dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    if dtype not in DTYPE_CODES and not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"an fp8 cache needs positive scales, not {k_scale} / {v_scale}")
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

@@ -13,10 +13,16 @@ replays it like the dense GEMM.
 The torch reference kernel (:class:`~engine.quantization.reference.TorchQuantizedGemm`)
 stays behind it for what it refuses (other bit widths, shards not a multiple of 16
 wide); ``$ENGINE_CPU_QUANT_GEMM=torch`` puts the reference first.
+``$ENGINE_CPU_QUANT_GEMM=triton`` puts the GPU plugins' Triton weight-only int kernels
+(:mod:`engine.kernels.quant_gemm_int`) first, run on CPU tensors by Triton's interpreter:
+end-to-end tests of those kernels, only with ``TRITON_INTERPRET=1`` (a ValueError
+otherwise); forward graphs refuse them (they replay only C kernels), so those steps run
+eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import ClassVar
 
@@ -36,7 +42,7 @@ from engine.plugins.cpu.native import (
     load_kernels,
 )
 
-QUANT_GEMM_ENV = "ENGINE_CPU_QUANT_GEMM"  # auto | native | torch
+QUANT_GEMM_ENV = "ENGINE_CPU_QUANT_GEMM"  # auto | native | torch | triton (interpreted)
 _ENCODINGS = {"int": QENC_INT, "fp8": QENC_FP8, "nvfp4": QENC_NVFP4}
 
 
@@ -45,11 +51,53 @@ def quant_gemm_preference() -> list[type[QuantizedGemmKernel]]:
     from engine.quantization.reference import TorchQuantizedGemm
 
     raw = os.environ.get(QUANT_GEMM_ENV, "auto").strip().lower() or "auto"
-    if raw not in ("auto", "native", "torch"):
-        raise ValueError(f"{QUANT_GEMM_ENV}={raw!r}: expected auto, native or torch")
+    if raw not in ("auto", "native", "torch", "triton"):
+        raise ValueError(f"{QUANT_GEMM_ENV}={raw!r}: expected auto, native or torch (or "
+                         "triton, with TRITON_INTERPRET=1)")
     if raw == "torch":
         return [TorchQuantizedGemm, CPUQuantizedGemm]
+    if raw == "triton":
+        return [*interpreted_triton_kernels(), CPUQuantizedGemm, TorchQuantizedGemm]
     return [CPUQuantizedGemm, TorchQuantizedGemm]
+
+
+def interpreted_triton_kernels() -> list[type[QuantizedGemmKernel]]:
+    """The Triton int kernels (Marlin-style, then plain), unbound (they run interpreted),
+    each refusing forward-graph capture; a ValueError saying what is missing."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"{QUANT_GEMM_ENV}=triton runs the GPU plugins' Triton kernels on "
+                         "the CPU through Triton's interpreter: set TRITON_INTERPRET=1 as well "
+                         "(before engine.kernels is imported)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        from engine.kernels.triton_utils import TRITON_MISSING_MESSAGE
+
+        raise ValueError(f"{QUANT_GEMM_ENV}=triton: {TRITON_MISSING_MESSAGE}") from exc
+    from engine.kernels import quant_gemm_int
+
+    if not quant_gemm_int.INTERPRETED:
+        raise ValueError(f"{QUANT_GEMM_ENV}=triton: engine.kernels.quant_gemm_int was imported "
+                         "before TRITON_INTERPRET=1 was set, so its kernels were compiled for "
+                         "a GPU; set it before the engine starts")
+    return [_refusing_capture(k) for k in quant_gemm_int.int_gemm_kernels(None)]
+
+
+@functools.cache
+def _refusing_capture(kernel_cls: type[QuantizedGemmKernel]) -> type[QuantizedGemmKernel]:
+    """``kernel_cls`` whose apply refuses a CPU forward-graph capture (which would record
+    only the C kernels and replay without this one)."""
+    from engine.core.interfaces import GraphCaptureError
+    from engine.plugins.cpu import native
+
+    def apply(self, layer, x, bias=None):
+        if getattr(native._recording, "calls", None) is not None:
+            raise GraphCaptureError(f"{self.name} (interpreted Triton) cannot be replayed "
+                                    "by a CPU forward graph")
+        return kernel_cls.apply(self, layer, x, bias)
+
+    return type(kernel_cls.__name__, (kernel_cls,), {"apply": apply,
+                                                     "__module__": kernel_cls.__module__})
 
 
 def act_order_permutation(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:

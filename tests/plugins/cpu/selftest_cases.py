@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.core.interfaces import ActivationQuant
+from engine.core.interfaces.attention import dequantize_kv, quantize_kv
 from engine.plugins.cpu.native import QACT_CODES, QSTRATEGY_CODES
 from engine.plugins.cpu.quant_gemm import pack_arguments
 from engine.quantization.numerics import quantize_dequantize
@@ -25,7 +26,8 @@ from tests.plugins.cpu import references as refs
 OP_GEMM_PACKED, OP_GEMM_PLAIN, OP_ATTENTION, OP_RMS_NORM = 1, 2, 3, 4
 OP_SILU_AND_MUL, OP_ROTARY, OP_EMBEDDING, OP_ARGMAX = 5, 6, 7, 8
 OP_QGEMM, OP_QUANT_ACT = 9, 10
-CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3, torch.uint8: 4}
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3, torch.uint8: 4,
+         torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 # op-chain tolerances of the fused elementwise kernels (as test_cpu_fused_ops.py)
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=0, rtol=2**-7),
@@ -129,31 +131,49 @@ class Suite:
 
     def attention(self, seq_lens: Sequence[int], heads: int, kv_heads: int, head_size: int,
                   block_size: int, q_dtype, cache_dtype, pairs: bool, window: int = 0,
-                  splits: int = 0) -> None:
-        """``pairs``: whether the build stores bf16 keys in dim pairs (AVX512-BF16)."""
+                  splits: int = 0, kv_scales: tuple[float, float] | None = None) -> None:
+        """``pairs``: whether the build stores bf16 keys in dim pairs (AVX512-BF16).
+        ``kv_scales``: an fp8 ``cache_dtype``'s, the keys and values given in ``q_dtype``
+        (quantized by the store; the reference reads the dequantized codes)."""
         per_seq = max(-(-n // block_size) for n in seq_lens)
         num_blocks = len(seq_lens) * per_seq + 1
         order = torch.randperm(num_blocks - 1, generator=self.gen) + 1
         tables = order.view(len(seq_lens), per_seq).to(torch.int64)
         slots = num_blocks * block_size
-        keys = self.randn(slots, kv_heads, head_size, dtype=cache_dtype)
-        values = self.randn(slots, kv_heads, head_size, dtype=cache_dtype)
+        fp8 = kv_scales is not None
+        src_dtype = q_dtype if fp8 else cache_dtype
+        k_scale, v_scale = kv_scales or (1.0, 1.0)
+        keys = self.randn(slots, kv_heads, head_size, dtype=src_dtype) * (3 * k_scale if fp8 else 1)
+        values = self.randn(slots, kv_heads, head_size, dtype=src_dtype) * (5 * v_scale if fp8
+                                                                            else 1)
         query = self.randn(len(seq_lens), heads, head_size, dtype=q_dtype)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         scale = head_size**-0.5
+        stored_v = quantize_kv(values, v_scale, cache_dtype) if fp8 else values.to(cache_dtype)
 
         def check(outs):
-            ref = refs.attention_reference(query, keys, values, tables, lens, scale, window)
+            k_ref = dequantize_kv(quantize_kv(keys, k_scale, cache_dtype), k_scale) if fp8 else keys
+            v_ref = dequantize_kv(stored_v, v_scale) if fp8 else values
+            ref = refs.attention_reference(query, k_ref, v_ref, tables, lens, scale, window)
             got = outs[0].view(ref.shape).double()
-            atol = refs.attention_tolerance(q_dtype, cache_dtype, pairs)
+            if fp8:  # exact codes read by float32 FMAs (never vdpbf16ps): as a float cache
+                atol = refs.attention_tolerance(q_dtype, q_dtype, False) * 5 * v_scale
+            else:
+                atol = refs.attention_tolerance(q_dtype, cache_dtype, pairs)
             torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+            v_cache = outs[1].view(num_blocks, kv_heads, block_size, head_size)  # V rows
+            v_slots = v_cache.transpose(1, 2).reshape(stored_v.shape)
+            assert torch.equal(v_slots.view(torch.uint8), stored_v.view(torch.uint8)), (
+                "the stored values differ")
 
+        extra = (CODES[src_dtype],) if fp8 else ()
         self.cases.append(Case(
             f"attention {seq_lens} {heads}/{kv_heads}x{head_size} bs{block_size} "
-            f"{q_dtype}/{cache_dtype} window={window} splits={splits}", OP_ATTENTION,
+            f"{q_dtype}/{cache_dtype} window={window} splits={splits} scales={kv_scales}",
+            OP_ATTENTION,
             (len(seq_lens), heads, kv_heads, head_size, block_size, num_blocks,
-             CODES[cache_dtype], CODES[q_dtype], window, splits, per_seq),
-            (scale, 0.0), [query, keys, values, tables, lens], check))
+             CODES[cache_dtype], CODES[q_dtype], window, splits, per_seq, *extra),
+            (scale, 0.0, k_scale, v_scale), [query, keys, values, tables, lens], check))
 
     def rms_norm(self, rows: int, hidden: int, dtype, residual: bool) -> None:
         x, w = self.randn(rows, hidden, dtype=dtype), (torch.rand(hidden) + 0.5).to(dtype)
@@ -282,4 +302,13 @@ def standard_suite(pairs: bool) -> Suite:
     for act, scale in ((dynamic_int8, 0.0), (static_fp8, 0.3), (nvfp4, 0.7),
                        (ActivationQuant("fp8", "group", True, 32), 0.0)):
         suite.quantize_activations(5, 96, act, scale)
+    # fp8 KV caches, quantized by write_kv and dequantized as read (last: the cases above
+    # keep the inputs they were tuned with)
+    for q_dtype in (f32, bf16):
+        for cache_dtype, scales in ((torch.float8_e4m3fn, (0.05, 2.5)),
+                                    (torch.float8_e5m2, (3.0, 0.25))):
+            suite.attention([1, 15, 16, 17, 70], 8, 2, 32, 16, q_dtype, cache_dtype, pairs,
+                            kv_scales=scales)
+            suite.attention([45, 3, 48], 4, 1, 16, 8, q_dtype, cache_dtype, pairs, window=37,
+                            splits=3, kv_scales=scales)
     return suite

@@ -9,7 +9,12 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+/* Storage dtypes. The fp8 ones (OCP e4m3fn: no infinities, 0x7f / 0xff NaN; e5m2) are
+ * KV cache formats only: codes of value / scale, which the attention kernels store and
+ * read (5 and 6: the self-test driver's file format gives 3 and 4 to int64 / uint8). */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E4M3 = 5, DTYPE_FP8_E5M2 = 6 };
+
+static inline int is_fp8(int dtype) { return dtype == DTYPE_FP8_E4M3 || dtype == DTYPE_FP8_E5M2; }
 
 /* _Float16 where the compiler has it (x86-64 with GCC >= 12, aarch64, clang); the
  * conversions below are then single instructions with F16C / on Arm. Elsewhere they are
@@ -22,7 +27,9 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 #endif
 #endif
 
-static inline int64_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+static inline int64_t dtype_size(int dtype) {
+    return dtype == DTYPE_F32 ? 4 : is_fp8(dtype) ? 1 : 2;
+}
 
 static inline float bits_to_f32(uint32_t bits) {
     float f;
@@ -85,6 +92,56 @@ static inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
+/* An fp8 code as float32, exactly (NaN codes NaN, e5m2's infinities infinite); no
+ * float32 subnormal is formed on the way, so a flush-to-zero mode cannot change it. */
+static inline float fp8_to_f32(uint8_t code, int dtype) {
+    const uint32_t sign = (uint32_t)(code & 0x80u) << 24, mag = code & 0x7fu;
+    uint32_t bits;
+    if (dtype == DTYPE_FP8_E4M3) {
+        if (mag < 8u) { /* zero / subnormal: mantissa x 2^-9 */
+            const float magnitude = (float)mag * 0x1p-9f;
+            return sign ? -magnitude : magnitude;
+        }
+        bits = mag == 0x7fu ? 0x7fc00000u : (mag << 20) + (120u << 23);
+    } else {
+        if (mag < 4u) { /* zero / subnormal: mantissa x 2^-16 */
+            const float magnitude = (float)mag * 0x1p-16f;
+            return sign ? -magnitude : magnitude;
+        }
+        bits = mag >= 0x7cu ? 0x7f800000u | ((mag & 3u) << 21) : (mag << 21) + (112u << 23);
+    }
+    return bits_to_f32(sign | bits);
+}
+
+/* The fp8 code nearest to f (ties to even), saturated to the format's largest finite
+ * value (448 e4m3, 57344 e5m2: infinities too, as vLLM's SATFINITE stores); NaN stays
+ * NaN. Branch-free selects, so loops over it vectorize. */
+static inline uint8_t f32_to_fp8(float f, int dtype) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu;
+    /* Below the smallest normal: a count of subnormal steps, rounded to nearest even by
+     * the float adder (the value kept small so the conversion to an integer is defined). */
+    uint32_t code;
+    if (dtype == DTYPE_FP8_E4M3) {
+        const int subnormal = mag < 0x3c800000u; /* 2^-6 */
+        const float steps = subnormal ? bits_to_f32(mag) * 512.0f : 0.0f;
+        const uint32_t sub = (uint32_t)((steps + 8388608.0f) - 8388608.0f);
+        const uint32_t normal = ((mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20) - (120u << 3);
+        code = subnormal ? sub : normal;
+        code = mag >= 0x43e00000u ? 0x7eu : code; /* 448 and beyond */
+    } else {
+        const int subnormal = mag < 0x38800000u; /* 2^-14 */
+        const float steps = subnormal ? bits_to_f32(mag) * 65536.0f : 0.0f;
+        const uint32_t sub = (uint32_t)((steps + 8388608.0f) - 8388608.0f);
+        const uint32_t normal = ((mag + 0xfffffu + ((mag >> 21) & 1u)) >> 21) - (112u << 2);
+        code = subnormal ? sub : normal;
+        code = mag >= 0x47600000u ? 0x7bu : code; /* 57344 and beyond */
+    }
+    code = mag > 0x7f800000u ? 0x7fu : code;
+    return (uint8_t)(sign | code);
+}
+
 /* The exponential's arithmetic, shared by the scalar exp_nonpositive and the 16-lane
  * vexp_nonpositive (GCC vector types take the same operators): n = round(x / ln2),
  * rounded to nearest through the float adder (1.5 * 2^23, no libm call); r = x - n ln2
@@ -115,6 +172,7 @@ static inline __attribute__((always_inline)) float load_at(const void *base, int
                                                           const int dtype) {
     if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[index]);
     if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)base)[index]);
+    if (is_fp8(dtype)) return fp8_to_f32(((const uint8_t *)base)[index], dtype);
     return ((const float *)base)[index];
 }
 
@@ -122,6 +180,7 @@ static inline __attribute__((always_inline)) void store_at(void *base, int64_t i
                                                            const int dtype, float value) {
     if (dtype == DTYPE_BF16) ((uint16_t *)base)[index] = f32_to_bf16(value);
     else if (dtype == DTYPE_F16) ((uint16_t *)base)[index] = f32_to_f16(value);
+    else if (is_fp8(dtype)) ((uint8_t *)base)[index] = f32_to_fp8(value, dtype);
     else ((float *)base)[index] = value;
 }
 

@@ -16,7 +16,7 @@
 
 #include "kernels.h"
 
-#define GRAPH_OP_WORDS 21 /* kernel id + up to 20 arguments (paged_decode_attention's) */
+#define GRAPH_OP_WORDS 23 /* kernel id + up to 22 arguments (paged_decode_attention's) */
 
 enum {
     GK_RMS_NORM,
@@ -81,13 +81,14 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
             break;
         case GK_WRITE_KV:
             status = write_kv(P(0), a[1], a[2], P(3), a[4], a[5], P(6), a[7], P(8), P(9), a[10],
-                              I(11), I(12), I(13), I(14), I(15));
+                              I(11), I(12), I(13), I(14), I(15), f32_word(a[16]),
+                              f32_word(a[17]));
             break;
         case GK_PAGED_DECODE_ATTENTION:
             status = paged_decode_attention(P(0), a[1], a[2], P(3), P(4), P(5), a[6], P(7), P(8),
                                             I(9), I(10), I(11), I(12), I(13), I(14),
                                             f32_word(a[15]), I(16), f32_word(a[17]), I(18),
-                                            I(19));
+                                            I(19), f32_word(a[20]), f32_word(a[21]));
             break;
         case GK_GEMM_PACKED:
             status = gemm_packed(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], I(9),

@@ -9,22 +9,23 @@
 
 #include <stdint.h>
 
-/* q and out in q_dtype, the caches in dtype (a wider query reads a narrower cache). */
+/* q and out in q_dtype, the caches in dtype (a wider query reads a narrower cache; an
+ * fp8 cache holds codes of K / k_scale and V / v_scale, the scales ignored otherwise). */
 int paged_decode_attention(
     const void *q, int64_t q_req_stride, int64_t q_head_stride,
     const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
     int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
-    int q_dtype);
+    int q_dtype, float k_scale, float v_scale);
 /* The key ranges per (request, KV head) task paged_decode_attention picks for num_splits 0. */
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window);
-/* key / value in src_dtype, rounded into caches of dtype. */
+/* key / value in src_dtype, rounded into caches of dtype (fp8: quantized by the scales). */
 int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
              int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype,
-             int src_dtype);
+             int src_dtype, float k_scale, float v_scale);
 int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
              int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
              float eps, int dtype);

@@ -20,6 +20,11 @@
  * vector registers; the exponential is a vectorizable polynomial. Scores, softmax and
  * sums are float32 whatever the storage dtype. head_size must be a multiple of 16.
  *
+ * fp8 caches (e4m3fn / e5m2 codes of value / scale, one byte each, the dims-major K
+ * layout): codes are widened to float32 exactly as they are loaded (simd.h's
+ * vf_load_fp8); k_scale multiplies the query's scale and v_scale the normalized output,
+ * so the result is attention over the dequantized values at no cost per key.
+ *
  * Built by engine/plugins/cpu/native.py with -O3 -march=native -fopenmp; torch's own
  * libgomp (same soname, already loaded) runs the parallel loop.
  */
@@ -75,6 +80,7 @@ static inline void store_floats(float *dst, vfloat v) { memcpy(dst, &v, sizeof v
 static inline __attribute__((always_inline)) vfloat load_values(const void *base, int64_t index,
                                                                 const int dtype) {
     if (dtype == DTYPE_BF16) return vf_load_bf16((const uint16_t *)base + index);
+    if (is_fp8(dtype)) return vf_load_fp8((const uint8_t *)base + index, dtype);
     if (dtype == DTYPE_F16) {
 #if HAVE_FLOAT16
         vhalf h;
@@ -481,10 +487,11 @@ static inline __attribute__((always_inline)) void attend_task(
 }
 
 /* out[g] = (sum_s acc_s[g] e^(max_s[g] - M)) / (sum_s sum_s[g] e^(max_s[g] - M)), M the
- * largest max_s[g]: the softmax over the union of the splits' key ranges. */
+ * largest max_s[g]: the softmax over the union of the splits' key ranges; times
+ * out_scale (an fp8 cache's v_scale, else 1). */
 static inline __attribute__((always_inline)) void merge_and_store(
     const float *parts, int num_parts, int64_t part_stride, int group, int head_size,
-    void *out, int64_t out_index, const int dtype)
+    void *out, int64_t out_index, const int dtype, float out_scale)
 {
     for (int g = 0; g < group; g++) {
         float top = -INFINITY;
@@ -498,7 +505,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
             weights[p] = part[group + g] > 0.0f ? exp_nonpositive(part[g] - top) : 0.0f;
             total += part[group + g] * weights[p];
         }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        const float inv = total > 0.0f ? out_scale / total : 0.0f;
         for (int i = 0; i < head_size; i++) {
             float value = 0.0f;
             for (int p = 0; p < num_parts; p++)
@@ -520,8 +527,12 @@ static inline __attribute__((always_inline)) void merge_and_store(
                     const void *k_cache, const void *v_cache, const int64_t *block_tables,  \
                     int64_t bt_stride, const int64_t *seq_lens, void *out, int num_reqs,    \
                     int num_heads, int num_kv_heads, int head_size, int block_size,         \
-                    float scale, int window, float soft_cap, int num_splits, int q_dtype) { \
+                    float scale, int window, float soft_cap, int num_splits, int q_dtype,   \
+                    float k_scale, float v_scale) {                                          \
         const int group = num_heads / num_kv_heads;                                          \
+        /* fp8: scores of codes times k_scale, outputs times v_scale */                     \
+        const float qk_scale = is_fp8(DTYPE) ? scale * k_scale : scale;                      \
+        const float out_scale = is_fp8(DTYPE) ? v_scale : 1.0f;                              \
         const int64_t row_len = (int64_t)block_size * head_size;                             \
         const int num_tasks = num_reqs * num_kv_heads;                                       \
         const int64_t part_stride = (int64_t)group * (head_size + 2);                        \
@@ -548,12 +559,12 @@ static inline __attribute__((always_inline)) void merge_and_store(
                             q_head_stride, k_cache, v_cache, block_tables + r * bt_stride,   \
                             lo, hi, kvh * row_len, num_kv_heads * row_len, part,             \
                             part + group, part + 2 * group, group, head_size, block_size,    \
-                            DTYPE, scale, soft_cap, q_dtype);                                \
+                            DTYPE, qk_scale, soft_cap, q_dtype);                             \
             }                                                                                \
             if (num_splits == 1) /* the whole task: normalize now, no second pass */        \
                 merge_and_store(part, 1, part_stride, group, head_size, out,                 \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                q_dtype);                                                    \
+                                q_dtype, out_scale);                                         \
         }                                                                                    \
         if (num_splits > 1) { /* merge each task's partial softmaxes */                     \
             _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                  \
@@ -562,7 +573,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
                 merge_and_store(parts + (int64_t)task * num_splits * part_stride,            \
                                 num_splits, part_stride, group, head_size, out,              \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                q_dtype);                                                    \
+                                q_dtype, out_scale);                                         \
             }                                                                                \
         }                                                                                    \
         free(parts);                                                                         \
@@ -572,6 +583,8 @@ static inline __attribute__((always_inline)) void merge_and_store(
 DEFINE_DECODE(decode_f32, DTYPE_F32)
 DEFINE_DECODE(decode_bf16, DTYPE_BF16)
 DEFINE_DECODE(decode_f16, DTYPE_F16)
+DEFINE_DECODE(decode_fp8_e4m3, DTYPE_FP8_E4M3)
+DEFINE_DECODE(decode_fp8_e5m2, DTYPE_FP8_E5M2)
 
 /*
  * out[r, h, :] = softmax(scale * q[r, h] . K[r, kv(h), keys]) V[r, kv(h), keys]
@@ -580,7 +593,8 @@ DEFINE_DECODE(decode_f16, DTYPE_F16)
  * q: [num_reqs, num_heads, head_size] with strides (q_req_stride, q_head_stride, 1);
  * out: contiguous [num_reqs, num_heads, head_size]; block_tables: int64 rows of
  * bt_stride entries; soft_cap > 0 applies cap * tanh(score / cap); num_splits key
- * ranges per task, 0 to let decode_key_splits choose. Returns 0, or -1
+ * ranges per task, 0 to let decode_key_splits choose; k_scale / v_scale: an fp8
+ * cache's (K = k_scale * code), ignored for other dtypes. Returns 0, or -1
  * when a size or the dtype is out of range (nothing is written then).
  */
 /*
@@ -609,7 +623,7 @@ int paged_decode_attention(
     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
     int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
-    int q_dtype)
+    int q_dtype, float k_scale, float v_scale)
 {
     if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % 16 != 0 || /* every level */
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
@@ -621,25 +635,21 @@ int paged_decode_attention(
         num_splits = decode_key_splits(num_reqs * num_kv_heads, seq_lens, num_reqs, window);
     if (num_splits < 1 || num_splits > MAX_SPLITS) return -1;
     if (q_dtype < DTYPE_F32 || q_dtype > DTYPE_F16) return -1;
+    if (is_fp8(dtype) && !(k_scale > 0.0f && v_scale > 0.0f)) return -1;
+#define DECODE_ARGS                                                                          \
+    q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, \
+        num_reqs, num_heads, num_kv_heads, head_size, block_size, scale, window, soft_cap,   \
+        num_splits, q_dtype, k_scale, v_scale
     switch (dtype) {
-    case DTYPE_F32:
-        return decode_f32(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
-                          bt_stride,
-                   seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap, num_splits, q_dtype);
-    case DTYPE_BF16:
-        return decode_bf16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
-                          bt_stride,
-                    seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                    scale, window, soft_cap, num_splits, q_dtype);
-    case DTYPE_F16:
-        return decode_f16(q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables,
-                          bt_stride,
-                   seq_lens, out, num_reqs, num_heads, num_kv_heads, head_size, block_size,
-                   scale, window, soft_cap, num_splits, q_dtype);
+    case DTYPE_F32: return decode_f32(DECODE_ARGS);
+    case DTYPE_BF16: return decode_bf16(DECODE_ARGS);
+    case DTYPE_F16: return decode_f16(DECODE_ARGS);
+    case DTYPE_FP8_E4M3: return decode_fp8_e4m3(DECODE_ARGS);
+    case DTYPE_FP8_E5M2: return decode_fp8_e5m2(DECODE_ARGS);
     default:
         return -1;
     }
+#undef DECODE_ARGS
 }
 
 /*
@@ -649,7 +659,9 @@ int paged_decode_attention(
  * are stored transposed ([head_size][block_size]: the token is one column; bf16 with
  * BF16_KEY_PAIRS: [head_size / 2][block_size][2], the token one column of pairs), V rows
  * token-major. key / value: [num_tokens, num_kv_heads, head_size] with
- * the given token and head strides (slices of a fused projection), the cache's dtype.
+ * the given token and head strides (slices of a fused projection), in src_dtype (a
+ * float dtype), rounded into the cache's; an fp8 cache stores the codes of key / k_scale
+ * and value / v_scale (f32_to_fp8: nearest even, saturated), the scales ignored else.
  */
 /* 1 when bf16 keys are stored in dim pairs (see the layout above), else 0 */
 int bf16_key_pairs(void) { return BF16_KEY_PAIRS; }
@@ -658,11 +670,13 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
              int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype,
-             int src_dtype)
+             int src_dtype, float k_scale, float v_scale)
 {
     if (head_size <= 0 || num_kv_heads <= 0 || block_size <= 0) return -1;
-    if (dtype < DTYPE_F32 || dtype > DTYPE_F16 || src_dtype < DTYPE_F32 || src_dtype > DTYPE_F16)
+    if (((dtype < DTYPE_F32 || dtype > DTYPE_F16) && !is_fp8(dtype)) || src_dtype < DTYPE_F32 ||
+        src_dtype > DTYPE_F16)
         return -1;
+    if (is_fp8(dtype) && !(k_scale > 0.0f && v_scale > 0.0f)) return -1;
     for (int64_t t = 0; t < num_tokens; t++) /* nothing is written unless every slot fits */
         if (slots[t] >= num_blocks * block_size || slots[t] < -1) return -1;
     const int64_t size = dtype_size(dtype), src_size = dtype_size(src_dtype);
@@ -692,6 +706,13 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
                     for (int d = 0; d < head_size; d++)
                         memcpy(k_dst + (int64_t)d * block_size * size, k + d * size, (size_t)size);
                 memcpy((char *)v_cache + v_first * size, v, (size_t)(head_size * size));
+            } else if (is_fp8(dtype)) { /* codes of value / scale, dims major */
+                uint8_t *k_dst = (uint8_t *)k_cache + first, *v_dst = (uint8_t *)v_cache + v_first;
+                for (int d = 0; d < head_size; d++) {
+                    k_dst[(int64_t)d * dim_stride] = f32_to_fp8(load_at(k, d, src_dtype) / k_scale,
+                                                                dtype);
+                    v_dst[d] = f32_to_fp8(load_at(v, d, src_dtype) / v_scale, dtype);
+                }
             } else { /* rounded from the activations' dtype into the cache's */
                 for (int d = 0; d < head_size; d++) {
                     const int64_t at = pairs ? first + (d / 2) * dim_stride + d % 2

@@ -9,7 +9,7 @@
  * CASES: records of  int32 op | int32 n_ints, int64 ints[] | int32 n_floats,
  * float floats[] | int32 n_arrays, then per array int32 dtype, int64 bytes, bytes[].
  * OUT: per record  int32 status | int32 n_arrays, then the arrays as above.
- * Dtype codes: those of cpu_math.h, and 3 for int64. Little-endian, no padding.
+ * Dtype codes: those of cpu_math.h, 3 for int64, 4 for uint8. Little-endian, no padding.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -109,10 +109,12 @@ static int32_t run_gemm(const record_t *r, array_t *out, int packed) {
 
 /*
  * ints: reqs heads kv_heads head_size block_size num_blocks cache_dt q_dt window splits
- * blocks_per_seq | floats: scale soft_cap | arrays: q [reqs, heads, D] q_dt; keys, values
- * [num_blocks * block_size, kv_heads, D] cache_dt (every slot, token-major);
- * block_tables [reqs, blocks_per_seq] int64; seq_lens [reqs] int64.
- * The driver stores every slot through write_kv, in its own K layout, then attends.
+ * blocks_per_seq [src_dt] | floats: scale soft_cap [k_scale v_scale] | arrays: q [reqs,
+ * heads, D] q_dt; keys, values [num_blocks * block_size, kv_heads, D] src_dt (default
+ * cache_dt; every slot, token-major); block_tables [reqs, blocks_per_seq] int64;
+ * seq_lens [reqs] int64. The driver stores every slot through write_kv, in its own K
+ * layout (an fp8 cache: quantized by the scales), then attends. Outputs: the attention,
+ * then the V cache as stored (token-major: the quantized values of an fp8 one).
  */
 static int32_t run_attention(const record_t *r, array_t *out) {
     const int reqs = (int)r->ints[0], heads = (int)r->ints[1], kv_heads = (int)r->ints[2];
@@ -121,6 +123,9 @@ static int32_t run_attention(const record_t *r, array_t *out) {
     const int cache_dt = (int)r->ints[6], q_dt = (int)r->ints[7];
     const int window = (int)r->ints[8], splits = (int)r->ints[9];
     const int64_t per_seq = r->ints[10];
+    const int src_dt = r->n_ints > 11 ? (int)r->ints[11] : cache_dt;
+    const float k_scale = r->n_floats > 2 ? r->floats[2] : 1.0f;
+    const float v_scale = r->n_floats > 3 ? r->floats[3] : 1.0f;
     const int64_t cache_count = slots_total * kv_heads * head_size;
     array_t k_cache = new_array(cache_dt, cache_count), v_cache = new_array(cache_dt, cache_count);
     array_t slots = new_array(DTYPE_I64, slots_total);
@@ -129,15 +134,17 @@ static int32_t run_attention(const record_t *r, array_t *out) {
     int32_t status = write_kv(r->arrays[1].data, (int64_t)kv_heads * head_size, head_size,
                               r->arrays[2].data, (int64_t)kv_heads * head_size, head_size,
                               slots.data, slots_total, k_cache.data, v_cache.data, num_blocks,
-                              kv_heads, head_size, block_size, cache_dt, cache_dt);
-    *out = new_array(q_dt, (int64_t)reqs * heads * head_size);
+                              kv_heads, head_size, block_size, cache_dt, src_dt, k_scale,
+                              v_scale);
+    out[0] = new_array(q_dt, (int64_t)reqs * heads * head_size);
     if (status == 0)
         status = paged_decode_attention(
             r->arrays[0].data, (int64_t)heads * head_size, head_size, k_cache.data,
             v_cache.data, r->arrays[3].data, per_seq, r->arrays[4].data, out->data, reqs, heads,
             kv_heads, head_size, block_size, cache_dt, r->floats[0], window, r->floats[1],
-            splits, q_dt);
-    free(k_cache.data), free(v_cache.data), free(slots.data);
+            splits, q_dt, k_scale, v_scale);
+    out[1] = v_cache;
+    free(k_cache.data), free(slots.data);
     return status;
 }
 
@@ -173,7 +180,9 @@ static int32_t run(const record_t *r, array_t *outs, int *n_outs) {
     switch (r->op) {
     case OP_GEMM_PACKED: return run_gemm(r, &outs[0], 1);
     case OP_GEMM_PLAIN: return run_gemm(r, &outs[0], 0);
-    case OP_ATTENTION: return run_attention(r, &outs[0]);
+    case OP_ATTENTION:
+        *n_outs = 2;
+        return run_attention(r, outs);
     case OP_RMS_NORM: { /* rows hidden dtype has_residual | x, weight, (residual) */
         const int dt = (int)p[2];
         outs[0] = new_array(dt, p[0] * p[1]);

@@ -154,12 +154,60 @@ static inline vs16 vs16_from_s8(const uint8_t *p) {
 #endif
 }
 
+/* VF fp8 codes (DTYPE_FP8_E4M3 / DTYPE_FP8_E5M2) from p as float32, exactly as
+ * fp8_to_f32 converts each. Where fp16 converts in hardware (F16C, Arm), through fp16: an
+ * e5m2 code is the high byte of the fp16 of its value; an e4m3 code's exponent and
+ * mantissa bits, moved into fp16's, are 2^-8 of its value (subnormals included). Else in
+ * integer arithmetic, without float32 subnormals (so DAZ cannot flush them). */
+#if defined(__F16C__) || (defined(__aarch64__) && HAVE_FLOAT16)
+#define FP8_VIA_F16 1
+#else
+#define FP8_VIA_F16 0
+#endif
+
+static inline __attribute__((always_inline)) vf vf_load_fp8(const uint8_t *p, const int dtype) {
+#if FP8_VIA_F16
+    if (dtype == DTYPE_FP8_E5M2) return vf_from_f16_bits(vh_from_u8(p) << 8);
+    /* sign-extended, shifted by 7: bits 15 and 14 the sign, 13..7 the code's rest */
+    vh h = ((vh)vs16_from_s8(p) << 7) & 0xbf80u;
+    const vh nan = (vh)((h & 0x3f80u) == 0x3f80u); /* 0x7f / 0xff: an fp16 NaN */
+    h = (h & ~nan) | (0x7e00u & nan);
+    return vf_from_f16_bits(h) * 256.0f;
+#else
+    vb b8;
+    memcpy(&b8, p, sizeof b8);
+    const vu b = __builtin_convertvector(b8, vu);
+    const vu sign = (b & 0x80u) << 24, mag = b & 0x7fu;
+    vu bits, small, special, special_bits;
+    vf sub;
+    if (dtype == DTYPE_FP8_E4M3) {
+        bits = (mag << 20) + (120u << 23);
+        sub = __builtin_convertvector((vi)mag, vf) * 0x1p-9f;
+        small = (vu)(mag < 8u);
+        special = (vu)(mag == 0x7fu);
+        special_bits = (vu){0} + 0x7fc00000u;
+    } else {
+        bits = (mag << 21) + (112u << 23);
+        sub = __builtin_convertvector((vi)mag, vf) * 0x1p-16f;
+        small = (vu)(mag < 4u);
+        special = (vu)(mag >= 0x7cu);
+        special_bits = ((mag & 3u) << 21) | 0x7f800000u;
+    }
+    vu sub_bits;
+    memcpy(&sub_bits, &sub, sizeof sub_bits);
+    bits = (bits & ~small) | (sub_bits & small);
+    bits = (bits & ~special) | (special_bits & special);
+    return vf_from_bits(bits | sign);
+#endif
+}
+
 /* VF values of a `dtype` array from element `index`, as float32 (dtype a constant after
  * inlining, so each caller gets one straight-line load). */
 static inline __attribute__((always_inline)) vf vf_load_as(const void *base, int64_t index,
                                                           const int dtype) {
     if (dtype == DTYPE_BF16) return vf_load_bf16((const uint16_t *)base + index);
     if (dtype == DTYPE_F16) return vf_load_f16((const uint16_t *)base + index);
+    if (is_fp8(dtype)) return vf_load_fp8((const uint8_t *)base + index, dtype);
     return vf_load((const float *)base + index);
 }
 
