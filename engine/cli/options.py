@@ -29,36 +29,29 @@ def parse_speculative_config(
     return parsed
 
 
-def parse_structured_outputs_config(
-    ctx: click.Context | None, param: click.Parameter | None, value: str | None
-) -> dict[str, Any] | None:
-    """``--structured-outputs-config`` text -> the dict EngineArgs takes (checked now)."""
-    if value is None:
-        return None
-    from engine.core.config import StructuredOutputsConfig
+def _checked_json_config(config_cls_name: str) -> Callable[..., dict[str, Any] | None]:
+    """A click callback: the option's JSON text -> the dict EngineArgs takes, checked by
+    ``engine.core.config.<config_cls_name>.from_value`` now (a usage error, not a stack
+    trace after the model has loaded)."""
 
-    try:
-        parsed = json.loads(value)
-        StructuredOutputsConfig.from_value(parsed)
-    except ValueError as exc:
-        raise click.BadParameter(f"{exc}: {value!r}", ctx, param) from None
-    return parsed
+    def parse(ctx: click.Context | None, param: click.Parameter | None, value: str | None
+              ) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        from engine.core import config
+
+        try:
+            parsed = json.loads(value)
+            getattr(config, config_cls_name).from_value(parsed)
+        except ValueError as exc:
+            raise click.BadParameter(f"{exc}: {value!r}", ctx, param) from None
+        return parsed
+
+    return parse
 
 
-def parse_kv_transfer_config(
-    ctx: click.Context | None, param: click.Parameter | None, value: str | None
-) -> dict[str, Any] | None:
-    """``--kv-transfer-config`` text -> the dict EngineArgs takes (checked now)."""
-    if value is None:
-        return None
-    from engine.core.config import KVTransferConfig
-
-    try:
-        parsed = json.loads(value)
-        KVTransferConfig.from_value(parsed)
-    except ValueError as exc:
-        raise click.BadParameter(f"{exc}: {value!r}", ctx, param) from None
-    return parsed
+parse_structured_outputs_config = _checked_json_config("StructuredOutputsConfig")
+parse_kv_transfer_config = _checked_json_config("KVTransferConfig")
 
 
 _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [

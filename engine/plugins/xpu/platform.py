@@ -130,39 +130,18 @@ class XPUPlatform(Platform):
         return [TritonAttentionBackend]
 
     def fused_moe_kernels(self) -> list[type[Any]]:
-        """``[TritonFusedMoEKernel]`` (a FusedMoEKernel) when triton imports, else []."""
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return []
-        from engine.kernels.fused_moe import TritonFusedMoEKernel
+        from engine.kernels.offers import triton_fused_moe_kernels
 
-        return [TritonFusedMoEKernel]
+        return triton_fused_moe_kernels()
 
     def quantized_gemm_kernels(self) -> list[type[Any]]:
-        """The Triton weight-only int kernels (Marlin-style first, then the plain W4A16 /
-        W8A16 one: :mod:`engine.kernels.quant_gemm_int`), then the Triton FP8 / int8 /
-        NVFP4 ones (``engine.kernels.quant_gemm_fp.fp_gemm_kernels``, when that module
-        exists), all bound to this device's capability; [] without triton."""
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return []
+        """The shared Triton kernels (engine.kernels.offers) bound to this device (a
+        generic Intel GPU when it reports no capability of its own)."""
         from engine.core.interfaces import DeviceCapability
-        from engine.kernels.quant_gemm_int import int_gemm_kernels
+        from engine.kernels.offers import triton_quantized_gemm_kernels
 
-        # a generic Intel GPU when the platform reports no capability of its own
-        capability = self.device_capability() or DeviceCapability("intel", "xpu")
-        int_kernels = int_gemm_kernels(capability)
-        try:
-            from engine.kernels.quant_gemm_fp import fp_gemm_kernels
-        except ImportError as exc:  # not there (yet); a broken one still fails loudly
-            if exc.name != "engine.kernels.quant_gemm_fp":
-                raise
-            fp_kernels: list[type[Any]] = []
-        else:
-            fp_kernels = list(fp_gemm_kernels(capability))
-        return [*int_kernels, *fp_kernels]
+        return triton_quantized_gemm_kernels(
+            self.device_capability() or DeviceCapability("intel", "xpu"))
 
     def communicator_cls(self) -> type[Communicator]:
         from engine.distributed import TorchDistributedCommunicator
