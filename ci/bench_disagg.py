@@ -89,7 +89,7 @@ def main() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     rng = random.Random(0)
     common = ["--model", args.model, "--served-model-name", "m", "--max-model-len",
-              str(args.prompt_len + 64), "--disable-uvicorn-access-log"]
+              str(args.prompt_len + 16), "--disable-uvicorn-access-log"]
     report: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
