@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import functools
 import math
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -683,8 +684,9 @@ class _TritonQuantGemm(QuantizedGemmKernel):
         return cls._refuse(spec)
 
     @classmethod
+    @abstractmethod
     def _refuse(cls, spec: QuantizedLayerSpec) -> str | None:
-        raise NotImplementedError
+        """The subclass's own refusals (its encodings and activation strategies)."""
 
     @staticmethod
     def _k_group_reason(what: str, group: int, k: int) -> str | None:
@@ -712,11 +714,13 @@ class _TritonQuantGemm(QuantizedGemmKernel):
         return None
 
     # -- preparing --------------------------------------------------------------------
+    @abstractmethod
     def _codes(self, weights: QuantizedWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """The weight codes and scales in this kernel's layout."""
 
+    @abstractmethod
     def _plan(self, spec: QuantizedLayerSpec) -> _Plan:
-        raise NotImplementedError
+        """How this kernel runs a layer of ``spec`` (tiles, scale modes)."""
 
     def prepare(self, layer: nn.Module, weights: QuantizedWeights) -> None:
         spec = weights.spec
