@@ -53,4 +53,16 @@ sys.exit(not any(e.name == 'cuda' for e in m.entry_points(group='engine.plugins'
     || echo "gpu_check.sh: could not install engine's metadata; --device cuda will be unknown"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" ci/gpu_check.py "$@"
+status=0
+"$PY" ci/gpu_check.py "$@" || status=$?
+# The plugin conformance kit on every GPU platform this machine has (a platform that is
+# not available here is skipped by the kit's platform fixture with the reason).
+for platform in ${ENGINE_KIT_PLATFORMS:-cuda rocm xpu}; do
+  "$PY" -c "from engine.core.plugins import get_plugin_registry as r; import sys; \
+sys.exit(not any(p.name == '$platform' and p.available for p in r().platforms()))" 2>/dev/null \
+    || continue
+  echo "== conformance kit: --engine-platform $platform"
+  "$PY" -m pytest -q -p no:cacheprovider -p engine.testing.pytest_plugin \
+    --pyargs engine.testing.conformance --engine-platform "$platform" || status=1
+done
+exit $status

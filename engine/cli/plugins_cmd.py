@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from engine.core.plugins import PluginRegistry, PluginStatus, get_plugin_registry
+from engine.core.plugins.registry import contributions_by_name
 
 
 def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
@@ -22,12 +23,16 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
                 "available": p.available,
                 "reason": p.probe.reason,
                 "kernels": _kernel_info(registry, p),
+                "components": _components(registry, p),
             }
         )
     auto = registry.auto_platform()
-    formats = [{"name": cls.name, "plugin": plugin} for plugin, cls in registry.quant_methods()]
+    errors: list[str] = []
+    contributions = _contributions(registry, errors)
     return {
-        "quantization_formats": formats,
+        "quantization_formats": contributions["quant_methods"],
+        "contributions": contributions,
+        "contribution_errors": errors,
         "plugins": [
             {
                 "name": info.name,
@@ -45,6 +50,86 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
         "allowlist": registry.allowlist,
         "warnings": list(registry.warnings),
     }
+
+
+def _name(item: Any) -> str:
+    """A contribution's name: its ``name`` attribute, else its class name."""
+    name = getattr(item, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    cls = item if isinstance(item, type) else type(item)
+    return cls.__qualname__
+
+
+def _safe(errors: list[str], what: str, make: Any) -> list[dict[str, Any]]:
+    """``make()`` (a list of entries), or [] with the error recorded: never raises."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - a plugin's bug never breaks the listing
+        errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        return []
+
+
+def _contributions(registry: PluginRegistry, errors: list[str]) -> dict[str, Any]:
+    """Every contribution of every loaded plugin, each with the plugin it came from."""
+    from engine.model_executor.models.registry import ModelRegistry
+
+    def entries(kind, pairs):
+        try:  # a name two plugins claim is reported (the engine refuses to use it)
+            contributions_by_name(kind, pairs)
+        except ValueError as exc:
+            errors.append(str(exc))
+        return [{"name": _name(item), "plugin": plugin} for plugin, item in pairs]
+
+    def models():
+        return [{"name": arch, "plugin": plugin}
+                for arch, plugin in ModelRegistry(plugins=registry).contributions()]
+
+    return {
+        "platforms": [{"name": p.name, "plugin": p.plugin, "available": p.available}
+                      for p in registry.platforms()],
+        "model_architectures": _safe(errors, "model architectures", models),
+        "attention_backends": _safe(errors, "attention backends",
+                                    lambda: entries("attention backend",
+                                                    registry.attention_backends())),
+        "quant_methods": _safe(errors, "quantization methods",
+                               lambda: entries("quantization method",
+                                                       registry.quant_methods())),
+        "kv_connectors": _safe(errors, "KV connectors",
+                               lambda: entries("KV connector",
+                                                       registry.kv_connectors())),
+    }
+
+
+_COMPONENTS = {  # report key -> Platform method (lists of classes, or one object / None)
+    "attention_backends": "attention_backends",
+    "dense_gemm_kernels": "dense_gemm_kernels",
+    "quantized_gemm_kernels": "quantized_gemm_kernels",
+    "fused_moe_kernels": "fused_moe_kernels",
+    "fused_ops": "fused_ops",
+    "forward_graph_capturer": "forward_graph_capturer",
+}
+
+
+def _components(registry: PluginRegistry, info) -> dict[str, Any]:
+    """An available platform's own components, by name (an error is reported per item)."""
+    if not info.available:
+        return {}
+    try:
+        platform = registry.instance(info)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"platform construction raised {type(exc).__name__}: {exc}"}
+    result: dict[str, Any] = {}
+    for key, method in _COMPONENTS.items():
+        try:
+            value = getattr(platform, method)()
+            if isinstance(value, (list, tuple)):
+                result[key] = [_name(item) for item in value]
+            else:
+                result[key] = None if value is None else _name(value)
+        except Exception as exc:  # noqa: BLE001
+            result[key] = {"error": f"{method}() raised {type(exc).__name__}: {exc}"}
+    return result
 
 
 def _kernel_info(registry: PluginRegistry, info) -> dict[str, Any]:
@@ -66,6 +151,21 @@ def _kernel_lines(report: dict[str, Any]) -> list[str]:
                 parts = [f"{key}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
                          for key, v in p["kernels"].items()]
                 lines.append(f"{p['name']} kernels: " + "; ".join(parts))
+    return lines
+
+
+def _component_lines(report: dict[str, Any]) -> list[str]:
+    """One line per available platform: its own attention backends, kernels and ops."""
+    lines = []
+    for plugin in report["plugins"]:
+        for p in plugin["platforms"]:
+            if p.get("components"):
+                parts = []
+                for key, v in p["components"].items():
+                    if isinstance(v, list):
+                        v = ", ".join(v) or "-"
+                    parts.append(f"{key}: {'-' if v is None else v}")
+                lines.append(f"{p['name']} components: " + "; ".join(parts))
     return lines
 
 
@@ -101,9 +201,18 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append("(no plugins installed in entry-point group engine.plugins)")
     lines.append("")
     lines.extend(_kernel_lines(report))
+    lines.extend(_component_lines(report))
     if report["quantization_formats"]:
         lines.append("quantization formats: " + ", ".join(
             f"{f['name']} ({f['plugin']})" for f in report["quantization_formats"]))
+    contributions = report.get("contributions", {})
+    for key, label in (("model_architectures", "model architectures"),
+                       ("attention_backends", "plugin attention backends"),
+                       ("kv_connectors", "KV connectors")):
+        if contributions.get(key):
+            lines.append(f"{label}: " + ", ".join(
+                f"{c['name']} ({c['plugin']})" for c in contributions[key]))
+    lines.extend(f"error: {e}" for e in report.get("contribution_errors", []))
     lines.append(f"--device auto -> {report['auto'] or '(no platform available)'}")
     if report["allowlist"] is not None:
         lines.append(f"ENGINE_PLUGINS limits loading to: {', '.join(report['allowlist'])}")

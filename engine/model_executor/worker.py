@@ -50,7 +50,11 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
         why = platform.check_dtype(wanted)
         if why:
             raise ValueError(why)
-    backend_cls = platform.get_attention_backend(config.device.attention_backend)
+    # the platform's own backend, else a plugin's (engine_register_attention_backends)
+    from engine.core.plugins import get_plugin_registry
+
+    backend_cls = get_plugin_registry().select_attention_backend(
+        platform, config.device.attention_backend)
     attn_backend = backend_cls(config.cache.block_size, platform.device())
     if config.cache.kv_cache_dtype != "auto":  # before the layers are made: they read it
         attn_backend.set_kv_cache_dtype(config.cache.kv_cache_dtype)

@@ -48,14 +48,13 @@ class QuantizationPlan:
 
 
 def registered_formats() -> dict[str, type[QuantMethod]]:
-    """Checkpoint formats by ``quant_method`` name, from every loaded plugin (the first
-    plugin claiming a name keeps it)."""
+    """Checkpoint formats by ``quant_method`` name, from every loaded plugin (a name two
+    plugins both claim is a ValueError naming both, as for KV connectors)."""
     from engine.core.plugins import get_plugin_registry
+    from engine.core.plugins.registry import contributions_by_name
 
-    formats: dict[str, type[QuantMethod]] = {}
-    for _plugin, cls in get_plugin_registry().quant_methods():
-        formats.setdefault(cls.name, cls)
-    return formats
+    found = contributions_by_name("quantization method", get_plugin_registry().quant_methods())
+    return {name: cls for name, (_plugin, cls) in found.items()}
 
 
 def _checkpoint_config(hf_config: Any) -> dict[str, Any] | None:

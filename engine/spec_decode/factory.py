@@ -67,7 +67,10 @@ def _load_draft(
         files = dataclasses.replace(
             files, model_cls=EagleLlamaForCausalLM, architecture="EagleLlamaForCausalLM"
         )
-    backend_cls = platform.get_attention_backend(config.device.attention_backend)
+    from engine.core.plugins import get_plugin_registry
+
+    backend_cls = get_plugin_registry().select_attention_backend(
+        platform, config.device.attention_backend)
     backend = backend_cls(config.cache.block_size, platform.device())
     model = load_model(
         files, kv_dtype, platform.device(), backend,

@@ -75,8 +75,12 @@ def test_cpu_set_num_threads() -> None:
         torch.set_num_threads(before)
 
 
-def test_cpu_attention_backends_cpu_first() -> None:
+@pytest.mark.parametrize("interpreted", [True, False])
+def test_cpu_attention_backends_cpu_first(monkeypatch, interpreted) -> None:
+    """The Triton backend is offered on the CPU only when its kernels run interpreted
+    (compiled, they need a GPU)."""
     attention = pytest.importorskip("engine.plugins.cpu.attention")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
     backends = CPUPlatform().attention_backends()
     assert backends[0] is attention.CPUAttentionBackend
     names = [b.__name__ for b in backends]
@@ -86,7 +90,7 @@ def test_cpu_attention_backends_cpu_first() -> None:
         triton_ok = importlib.util.find_spec("triton") is not None
     except Exception:  # noqa: BLE001
         triton_ok = False
-    assert ("TritonAttentionBackend" in names) == triton_ok
+    assert ("TritonAttentionBackend" in names) == (triton_ok and interpreted)
 
 
 # -- GPU platforms on a machine without them ----------------------------------------------

@@ -166,8 +166,21 @@ class PluginRegistry:
             plugin = ep.load()
         except Exception as exc:  # noqa: BLE001 - a broken plugin is listed, not fatal
             return self._mark(info, PluginStatus.BROKEN, f"import failed: {_describe(exc)}")
+        return self._admit(plugin, info)
+
+    def add_plugin(self, plugin: Any, name: str, distribution: str | None = None,
+                   version: str | None = None) -> PluginInfo:
+        """Load an already-imported plugin object as if an entry point named ``name``
+        declared it (same validation; for embedding and tests). Returns its info."""
+        module = getattr(plugin, "__name__", None) or type(plugin).__qualname__
+        info = PluginInfo(name=name, module=module, distribution=distribution, version=version)
+        self._plugins.append(self._admit(plugin, info))
+        self._platforms = None  # re-probe with the new plugin's platforms
+        return info
+
+    def _admit(self, plugin: Any, info: PluginInfo) -> PluginInfo:
         try:
-            self.pm.register(plugin, name=ep.name)
+            self.pm.register(plugin, name=info.name)
         except Exception as exc:  # noqa: BLE001 - pluggy validation / duplicate name
             return self._mark(info, PluginStatus.BROKEN, f"cannot register: {_describe(exc)}")
         refusal = self._check_api_version(plugin, info)
@@ -387,8 +400,69 @@ class PluginRegistry:
         return _flatten(self.hook_results("engine_register_kv_connectors"))
 
     def register_models(self, registry: Any) -> None:
-        """Let every plugin add model architectures to ``registry``."""
-        self.hook_results("engine_register_models", registry=registry)
+        """Let every plugin add model architectures to ``registry``.
+
+        When ``registry`` has ``for_plugin(name)`` (the engine's ModelRegistry), each
+        plugin is handed ``registry.for_plugin(<its name>)``, so the registry records who
+        registered each architecture (and refuses a name two plugins claim).
+        """
+        for_plugin = getattr(registry, "for_plugin", None)
+        for info in self._plugins:
+            if info.status is not PluginStatus.OK:
+                continue
+            plugin = self.pm.get_plugin(info.name)
+            target = for_plugin(info.name) if callable(for_plugin) else registry
+            try:
+                self._call_one(plugin, "engine_register_models", registry=target)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"plugin {info.name!r} ({info.dist_label}) failed in "
+                    f"engine_register_models(): {_describe(exc)}"
+                ) from exc
+
+    def attention_backend_classes(self) -> dict[str, tuple[str, type]]:
+        """Plugin-contributed attention backends by name: ``{name: (plugin, class)}``
+        (ValueError when two plugins contribute the same name)."""
+        return contributions_by_name("attention backend", self.attention_backends())
+
+    def attention_backend(self, name: str) -> type | None:
+        """The plugin-contributed attention backend called ``name`` (None: no plugin
+        contributes one)."""
+        found = self.attention_backend_classes().get(name)
+        return None if found is None else found[1]
+
+    def select_attention_backend(self, platform: Platform, name: str | None = None) -> type:
+        """What ``--attention-backend`` picks on ``platform``: the platform's preferred
+        backend (``name`` None), the platform's own backend called ``name``, else the
+        plugin-contributed one; ValueError listing both otherwise."""
+        own = list(platform.attention_backends())
+        if name is None or any(getattr(b, "name", None) == name for b in own):
+            return platform.get_attention_backend(name)
+        contributed = self.attention_backend_classes()
+        if name in contributed:
+            return contributed[name][1]
+        offered = ", ".join(getattr(b, "name", repr(b)) for b in own) or "(none)"
+        extra = ", ".join(f"{n} (plugin {p})" for n, (p, _) in sorted(contributed.items()))
+        raise ValueError(
+            f"attention backend {name!r} is not offered by platform {platform.name!r} "
+            f"(offered: {offered}) nor contributed by a plugin "
+            f"(contributed: {extra or '(none)'})"
+        )
+
+
+def contributions_by_name(kind: str, pairs: Sequence[tuple[str, Any]]) -> dict[str, tuple[str, Any]]:
+    """``{item.name: (plugin, item)}`` from ``(plugin, item)`` pairs; a name claimed by two
+    plugins (with different items) is a ValueError naming both plugins."""
+    found: dict[str, tuple[str, Any]] = {}
+    for plugin, item in pairs:
+        name = getattr(item, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"plugin {plugin!r} contributes {kind} {item!r} without a name")
+        if name in found and found[name][1] is not item:
+            raise ValueError(f"{kind} {name!r} is contributed by both plugin "
+                             f"{found[name][0]!r} and plugin {plugin!r}")
+        found.setdefault(name, (plugin, item))
+    return found
 
 
 def _flatten(results: list[tuple[str, Any]]) -> list[tuple[str, type]]:

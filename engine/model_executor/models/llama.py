@@ -318,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_name_mapper(self):
         """Checkpoint names that carry a shard id themselves (MoE experts); None here."""
-        return None
+        return
 
     @classmethod
     def decoder_options(cls, hf_config: Any) -> DecoderOptions:

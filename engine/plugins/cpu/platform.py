@@ -228,11 +228,13 @@ class CPUPlatform(Platform):
             torch.set_num_threads(threads)
 
     def attention_backends(self) -> list[type[AttentionBackend]]:
-        """The CPU backend first; the portable Triton backend too when triton imports."""
+        """The CPU backend first; the portable Triton backend too when triton imports and
+        runs interpreted (TRITON_INTERPRET=1: compiled, its kernels need a GPU)."""
         from engine.plugins.cpu.attention import CPUAttentionBackend
 
         backends: list[type[AttentionBackend]] = [CPUAttentionBackend]
-        if importlib.util.find_spec("triton") is not None:
+        if (os.environ.get("TRITON_INTERPRET") == "1"
+                and importlib.util.find_spec("triton") is not None):
             try:
                 from engine.kernels.triton_backend import TritonAttentionBackend
             except Exception as exc:  # noqa: BLE001 - optional extra, never fatal

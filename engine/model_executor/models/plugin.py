@@ -1,0 +1,38 @@
+"""The built-in model architectures, contributed through the same plugin hook a third
+party's architectures use (entry point ``models`` of the ``engine.plugins`` group).
+
+Registered as ``"module:Class"`` strings so that resolving one model never imports the
+others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core.interfaces import PLUGIN_API_VERSION
+from engine.core.plugins.hookspecs import hookimpl
+
+BUILTINS = {
+    "LlamaForCausalLM": "engine.model_executor.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.model_executor.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "engine.model_executor.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "engine.model_executor.models.qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "engine.model_executor.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.model_executor.models.mixtral:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.model_executor.models.mixtral:Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "engine.model_executor.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+}
+
+
+@hookimpl
+def engine_plugin_api_version() -> int:
+    return PLUGIN_API_VERSION  # in-tree: evolves with the engine
+
+
+@hookimpl
+def engine_register_models(registry: Any) -> None:
+    for architecture, path in BUILTINS.items():
+        registry.register(architecture, path)
