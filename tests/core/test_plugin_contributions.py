@@ -25,7 +25,7 @@ from engine.core.plugins import (
     hookimpl,
     reset_plugin_registry,
 )
-from engine.model_executor.models.plugin import BUILTINS
+from engine.core.plugins.builtin_models import BUILTINS
 from engine.model_executor.models.registry import MODEL_REGISTRY, ModelRegistry
 from engine.plugins.cpu.attention import CPUAttentionBackend
 from engine.plugins.cpu.platform import CPUPlatform

@@ -2,7 +2,7 @@
 
 Keys are the names in a HF config's ``architectures`` list. Every architecture comes
 from a plugin's ``engine_register_models(registry)`` hook -- the built-ins from the
-in-tree ``models`` plugin (:mod:`engine.model_executor.models.plugin`), exactly as a
+in-tree ``models`` plugin (:mod:`engine.core.plugins.builtin_models`), exactly as a
 third party's -- with either a class or a lazy ``"module:Class"`` string. The engine's
 registry asks the plugins once, lazily, when an architecture is first resolved or
 listed, and records which plugin registered each name: a name a second plugin

@@ -2,7 +2,9 @@
 party's architectures use (entry point ``models`` of the ``engine.plugins`` group).
 
 Registered as ``"module:Class"`` strings so that resolving one model never imports the
-others.
+others, and discovering the plugins imports no model code (nor torch: a core process's
+OpenMP settings must be in place before torch loads). It lives beside the registry for that
+reason: ``engine.model_executor.models`` imports torch.
 """
 
 from __future__ import annotations
