@@ -33,13 +33,10 @@ def _throughput(model: str, tp: int, pp: int, args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
-def _all_reduce_worker(rank: int, port: int, shapes: list[list[int]], dtype: str, queue) -> None:
+def _time_all_reduces(comm, shapes: list[list[int]], dtype: str) -> dict[str, float]:
+    """Median microseconds of one all-reduce of each shape (after 5 warm-up calls)."""
     import torch
 
-    from engine.distributed import GlooCommunicator
-
-    comm = GlooCommunicator.init_process_group(rank, 2, f"tcp://127.0.0.1:{port}")
-    torch.set_num_threads(1)
     result = {}
     for shape in shapes:
         x = torch.randn(shape).to(getattr(torch, dtype))
@@ -51,26 +48,13 @@ def _all_reduce_worker(rank: int, port: int, shapes: list[list[int]], dtype: str
             comm.all_reduce(x)
             times.append(time.perf_counter() - start)
         result[str(shape)] = statistics.median(times) * 1e6
-    if rank == 0:
-        queue.put(result)
+    return result
 
 
 def all_reduce_us(shapes: list[list[int]], dtype: str) -> dict[str, float]:
-    import torch.multiprocessing as mp
+    from gloo_ranks import on_two_ranks
 
-    from engine.model_executor.multiproc_executor import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, shapes, dtype, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=120)
-    for p in procs:
-        p.join()
-    return result
+    return on_two_ranks(_time_all_reduces, shapes, dtype)
 
 
 def main() -> None:

@@ -81,13 +81,10 @@ def profile_steps(path: Path, args: argparse.Namespace) -> dict:
             "cpu": runtime.get("cpu_model"), "isa_level": runtime.get("isa_level")}
 
 
-def _a2a_worker(rank: int, port: int, rows: int, hidden: int, queue) -> None:
+def _time_all_to_all(comm, rows: int, hidden: int) -> float:
+    """Median milliseconds of one all-to-all sending half the rows to each rank."""
     import torch
 
-    from engine.distributed import GlooCommunicator
-
-    torch.set_num_threads(1)
-    comm = GlooCommunicator.init_process_group(rank, 2, f"tcp://127.0.0.1:{port}")
     x = torch.randn(rows, hidden).to(torch.bfloat16)
     half = rows // 2
     times = []
@@ -96,25 +93,13 @@ def _a2a_worker(rank: int, port: int, rows: int, hidden: int, queue) -> None:
         comm.all_to_all(x, [half, rows - half], [half, rows - half])
         if i >= 10:
             times.append(time.perf_counter() - start)
-    if rank == 0:
-        queue.put(statistics.median(times) * 1000)
+    return statistics.median(times) * 1000
 
 
 def all_to_all_ms(rows: int, hidden: int) -> float:
-    import torch.multiprocessing as mp
+    from gloo_ranks import on_two_ranks
 
-    from engine.model_executor.multiproc_executor import free_port
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_a2a_worker, args=(r, port, rows, hidden, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    value = queue.get(timeout=120)
-    for p in procs:
-        p.join()
-    return value
+    return on_two_ranks(_time_all_to_all, rows, hidden)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from engine.core.interfaces import Communicator
 from engine.distributed import (
     GlooCommunicator,
     NcclCommunicator,
@@ -65,6 +66,26 @@ def _check_collectives(comm: TorchDistributedCommunicator) -> None:
     comm.barrier()
 
 
+class _PortableAllToAll(GlooCommunicator):
+    """The Communicator interface's portable all_to_all (all-gather based), which a
+    communicator without a native one inherits."""
+
+    all_to_all = Communicator.all_to_all
+
+
+def _check_all_to_all(comm: TorchDistributedCommunicator) -> None:
+    """Rank r sends ``counts[r][j]`` rows (valued 100 r + j) to rank j, a zero split
+    included; every rank gets exactly the rows addressed to it, in rank order."""
+    counts = [[1, 0], [3, 2]]  # counts[src][dst]
+    rank = comm.rank
+    send = torch.cat([torch.full((counts[rank][j], 3), 100.0 * rank + j, dtype=torch.float64)
+                      for j in range(WORLD)])
+    got = comm.all_to_all(send, counts[rank], [counts[src][rank] for src in range(WORLD)])
+    expected = torch.cat([torch.full((counts[src][rank], 3), 100.0 * src + rank,
+                                     dtype=torch.float64) for src in range(WORLD)])
+    _assert_equal(got, expected)
+
+
 def _worker(rank: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -76,6 +97,8 @@ def _worker(rank: int, port: int) -> None:
         assert dist.get_backend() == "gloo"
         _check_collectives(comm)
         _check_collectives(_NativeGloo(rank, WORLD))
+        _check_all_to_all(comm)
+        _check_all_to_all(_PortableAllToAll(rank, WORLD))
     finally:
         dist.destroy_process_group()
 
