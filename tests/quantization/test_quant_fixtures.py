@@ -30,7 +30,8 @@ kernel; they agree except where noted.)
 Why the three dynamic-activation schemes need more: their references are reproduced to
 3e-7 (fp8) / 4e-4 (w8a8) by an independent float32 reimplementation (transformers over
 weights decoded by :mod:`tests.quantization.packers`, inputs fake-quantized as
-compressed-tensors does), but nudging every quantized linear's input by ONE float32 ulp
+compressed-tensors does) on the machine that made them, and only to 5.9e-3 / 7.3e-3 where
+MKL's sgemm takes another path (an AVX-512 Xeon), but nudging every quantized linear's input by ONE float32 ulp
 (:func:`refs.ulp_probe`) moves that reimplementation's logits by the "probe" amounts above
 (nudging only the first RMSNorm's output, 10 seeds: up to 5.2e-2 / 4.7e-2 / 1.8e-2;
 float64 instead of float32: 4.2e-2 / 3.7e-2 / 1.4e-2). The cause: these checkpoints have
@@ -184,24 +185,65 @@ def test_fixture_linears_with_platform_kernels(name):
 
 @pytest.mark.parametrize("name", sorted(DYNAMIC_TOLERANCE))
 def test_dynamic_tolerance_is_what_one_ulp_does(name):
-    """The justification of the dynamic-activation tolerances, re-measured: an independent
-    float32 reimplementation (transformers + packers) reproduces the tool's reference
-    within 1e-3 (measured 3.1e-7 fp8-dynamic, 3.6e-7 fp8-block; 4.1e-4 w8a8, from one of
-    the prompts only: presumably a tie decided the other way, transformers being 5.24
-    here and 5.17 for the fixtures), and nudging its quantized linears' inputs by one ulp
-    moves its logits by at least TOLERANCE / 2.5 (measured 4.4e-2 fp8-dynamic, 5.0e-2
-    fp8-block, 1.6e-2 w8a8): the tolerance is the spread two correct float32
-    implementations show."""
+    """The justification of the dynamic-activation tolerances, re-measured on the machine
+    at hand: nudging the quantized linears' inputs of an independent float32
+    reimplementation (transformers + packers) by one ulp moves its logits by at least
+    TOLERANCE / 2.5 (measured 4.4e-2 fp8-dynamic, 5.0e-2 fp8-block, 1.6e-2 w8a8), and that
+    reimplementation reproduces the tool's reference within that one-ulp spread.
+
+    Not within a fixed 1e-3: how closely two correct float32 runs agree here depends on the
+    CPU's sgemm. On the machine that made the fixtures (MKL's AVX2 sgemm) the
+    reimplementation is 3.1e-7 (fp8) / 4.1e-4 (w8a8) off; on an AVX-512 Xeon (MKL's AVX-512
+    sgemm) 5.9e-3 / 7.3e-3, and here with ``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` 5.9e-3 /
+    4.6e-3: the sgemm's last-ulp differences decide the e4m3 / int8 rounding ties of the
+    per-token scales, each flip moves a value by a whole quantum, and the flips compound.
+    The per-linear numerics, which do not depend on the sgemm, are held exactly by
+    :func:`test_activation_qdq_is_bit_exact_on_real_activations` and :func:`_check_linears`.
+    """
     tensors = refs.read_tensors(refs.fixture_dir(name))
     model = refs.fixture_hf_model(name, qdq_for=refs.fixture_activation_qdq(name, tensors))
     ref = refs.reference(name)
-    probe = 0.0
+    probe, worst = 0.0, 0.0
     for i in range(refs.NUM_PROMPTS):
         tokens = ref[f"prompt{i}.input_ids"].tolist()
-        assert refs.rel_diff(refs.hf_logits(model, tokens), ref[f"prompt{i}.logits"]) <= EXACT
+        worst = max(worst, refs.rel_diff(refs.hf_logits(model, tokens), ref[f"prompt{i}.logits"]))
         if len(tokens) > 1:
             probe = max(probe, refs.ulp_probe(model, tokens))
     assert probe >= TOLERANCE[name] / 2.5, f"{name}: one ulp moves the logits by {probe:.3g}"
+    assert worst <= max(EXACT, probe), (
+        f"{name}: the reimplementation is {worst:.3g} off the tool's reference, more than "
+        f"the one-ulp spread {probe:.3g}: a numerics difference, not rounding noise")
+
+
+@pytest.mark.parametrize("name", sorted(DYNAMIC_TOLERANCE))
+def test_activation_qdq_is_bit_exact_on_real_activations(name):
+    """The engine's activation quantize-dequantize (:mod:`engine.quantization.numerics`,
+    the reference the C kernels are checked against) equals compressed-tensors' as the
+    packers write it, bit for bit, on the very inputs every quantized linear of the
+    reimplementation sees on every prompt: real activations, rounding ties included.
+    This is the portable half of the dynamic schemes' story: it holds on every CPU."""
+    from engine.quantization.compressed_tensors import CompressedTensorsConfig
+    from engine.quantization.numerics import quantize_dequantize
+
+    config = CompressedTensorsConfig.from_config(refs.quant_config(refs.fixture_dir(name)))
+    act = config.linear_method(("model.layers.0.self_attn.q_proj",)).activation
+    assert act is not None and act.dynamic, act
+    tensors = refs.read_tensors(refs.fixture_dir(name))
+    model = refs.fixture_hf_model(name, qdq_for=refs.fixture_activation_qdq(name, tensors))
+    seen: list[torch.Tensor] = []
+    modules = [m for m in model.modules() if isinstance(m, refs.QDQLinear)]
+    hooks = [m.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1]))) for m in modules]
+    try:
+        for tokens in refs.prompts(name):
+            refs.hf_logits(model, tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == len(modules) * refs.NUM_PROMPTS
+    qdq = modules[0].qdq
+    for x in seen:
+        assert torch.equal(quantize_dequantize(x, act), qdq(x)), name
 
 
 @pytest.mark.parametrize("name", [n for n in QUANTIZED if n not in DYNAMIC_TOLERANCE])
