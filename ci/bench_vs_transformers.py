@@ -13,6 +13,11 @@ of threads:
   ``--hf-dtype`` (default: bfloat16 where the CPU has bf16 dot products, else float32,
   transformers' faster dtype there).
 
+``--busy N``: the contention figure. Every measured round runs each side twice, on a quiet
+machine and beside N busy single-threaded processes (a noisy neighbour: each spins on a
+core until the round ends), and the report gives both medians and the share of quiet
+throughput each side keeps under load.
+
 ``--latency``: the single-stream workload instead (the workload's prompt 0 alone, 128
 in / 128 out): milliseconds per output token after the first, and time to first token.
 The engine's come from its request metrics; transformers' from timing ``generate`` for
@@ -26,6 +31,7 @@ load average is printed with them: figures measured under load are not comparabl
     python tools/make_bench_models.py                       # once: /tmp/engine-bench-models
     python ci/bench_vs_transformers.py /tmp/engine-bench-models/llama-tiny --repeats 3
     python ci/bench_vs_transformers.py /tmp/engine-bench-models/llama-tiny --latency
+    python ci/bench_vs_transformers.py /tmp/engine-bench-models/llama-tiny --busy 1
 """
 
 from __future__ import annotations
@@ -34,9 +40,14 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
+
+BUSY_LOOP = "while True: pass"
 
 
 def _has_bf16_dot() -> bool:
@@ -88,6 +99,28 @@ def _engine_latency(llm, workload) -> tuple[float, float]:
     return result.decode_ms_per_token.median, result.ttft_ms.median
 
 
+@contextmanager
+def _busy_neighbours(count: int):
+    """``count`` single-threaded processes spinning on the CPU while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        time.sleep(0.2)  # let them reach their loop
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def _with_neighbours(run: Callable, count: int) -> Callable:
+    def busy_run():
+        with _busy_neighbours(count):
+            return run()
+
+    return busy_run
+
+
 def _measure(runners: dict, rounds: int, warmup: int, unit: str, check) -> dict[str, list]:
     """Alternate the runners ``rounds`` times; keep the results after ``warmup`` rounds."""
     runs: dict[str, list] = {name: [] for name in runners}
@@ -114,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--latency", action="store_true",
                         help="Single-stream decode ms/token and TTFT instead of throughput.")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="Also measure each side beside this many busy processes.")
     parser.add_argument("--dtype", default="auto", help="The engine's --dtype (default auto).")
     parser.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32"],
                         help="transformers' dtype (default: bfloat16 with bf16 dot products, "
@@ -171,20 +206,25 @@ def main(argv: list[str] | None = None) -> int:
                                    f"expected {workload.expected_output_tokens}")
             return (tokens / wall,)
 
-        runs = _measure(
-            {"engine": lambda: _engine_run(llm, workload),
-             "transformers": lambda: _transformers_run(hf, input_ids, args.output_len)},
-            args.warmup + args.repeats, args.warmup, "tok/s", check,
-        )
+        runners = {"engine": lambda: _engine_run(llm, workload),
+                   "transformers": lambda: _transformers_run(hf, input_ids, args.output_len)}
+        if args.busy:
+            for name in list(runners):
+                runners[f"{name} busy"] = _with_neighbours(runners[name], args.busy)
+        runs = _measure(runners, args.warmup + args.repeats, args.warmup, "tok/s", check)
         median = {name: statistics.median(r[0] for r in values) for name, values in runs.items()}
         ratio = median["engine"] / median["transformers"]
         rows = [(name, f"{median[name]:.1f} output tok/s "
                        f"(runs: {', '.join(f'{r[0]:.1f}' for r in values)})")
                 for name, values in runs.items()]
         rows.append(("engine / transformers", f"{ratio:.2f}x"))
+        if args.busy:
+            kept = {name: median[f"{name} busy"] / median[name] for name in ("engine", "transformers")}
+            rows.append((f"kept beside {args.busy} busy", ", ".join(
+                f"{name} {share:.0%}" for name, share in kept.items())))
         shape = f"{workload.num_prompts} x ({workload.input_len} in, {workload.output_len} out)"
         payload = {"runs_tok_s": {n: [r[0] for r in v] for n, v in runs.items()},
-                   "median_tok_s": median, "ratio": ratio}
+                   "median_tok_s": median, "ratio": ratio, "busy_neighbours": args.busy}
         title = f"engine vs transformers: {Path(args.model).name}"
     env = environment()
     rows += [("engine runs", f"{runtime.get('isa_level')} kernels, {runtime['weight_dtype']} "

@@ -172,6 +172,7 @@ class Worker:
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
     ) -> ModelRunnerOutput:
+        self.platform.before_step()
         return self.runner.execute_model(scheduler_output, grammar_bitmask)
 
     def shutdown(self) -> None:

@@ -223,5 +223,11 @@ class Platform(ABC):
     def set_num_threads(self, num_threads: int | None) -> None:
         """Intra-op parallelism for host-side compute (meaningful on CPU)."""
 
+    def before_step(self) -> None:
+        """Called by the worker before every model step, on the step loop's hot path
+        (keep it to a clock read in the common case): a platform adapts its runtime to
+        conditions that change while the engine runs (the CPU platform sizes its thread
+        count to the CPUs the process really gets)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

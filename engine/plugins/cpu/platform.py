@@ -195,10 +195,22 @@ class CPUPlatform(Platform):
     def init_worker(self, num_threads: int | None = None) -> None:
         """Threads, their pinning and their wait policy (the reasoning is in
         :mod:`engine.plugins.cpu.threads`), and the heap settings that keep a forward's
-        large freed activations (:mod:`engine.plugins.cpu.host_memory`)."""
+        large freed activations (:mod:`engine.plugins.cpu.host_memory`).
+
+        The plan's count (one per physical core the affinity mask allows, capped by a
+        cgroup CPU quota; ``num_threads`` when given) is the most the worker runs with:
+        a :class:`~engine.plugins.cpu.threads.ThreadGovernor` lowers it step by step
+        while the threads wait for CPUs that something else holds (a front-end process
+        on the same cores, a noisy neighbour) and raises it again when they free up,
+        instead of reserving a core for a front end that may not be there."""
         from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
         from engine.plugins.cpu.native import load_kernels
-        from engine.plugins.cpu.threads import plan_threads, prepare_openmp_environment
+        from engine.plugins.cpu.threads import (
+            ThreadGovernor,
+            adaptive_threads_enabled,
+            plan_threads,
+            prepare_openmp_environment,
+        )
 
         keep_freed_blocks_in_heap()
         if not prepare_openmp_environment() and "GOMP_SPINCOUNT" not in os.environ:
@@ -212,8 +224,19 @@ class CPUPlatform(Platform):
                 kernels.pin_threads(list(plan.pin_cpus))
             except OSError as exc:
                 logger.warning("%s; threads stay unpinned", exc)
-        logger.info("CPU worker: %s; %s", plan.reason,
+        self._governor = (ThreadGovernor(plan.num_threads, self.set_num_threads)
+                          if adaptive_threads_enabled() else None)
+        adapt = ("adapted to contention" if self._governor is not None and self._governor.active
+                 else "fixed")
+        logger.info("CPU worker: %s, count %s; %s", plan.reason, adapt,
                     f"{kernels.level} kernels" if kernels is not None else "no C kernels")
+
+    _governor = None
+
+    def before_step(self) -> None:
+        """The thread governor's turn (see :meth:`init_worker`)."""
+        if self._governor is not None:
+            self._governor.step()
 
     def set_num_threads(self, num_threads: int | None) -> None:
         """``num_threads`` intra-op threads; None: one per physical core this process may

@@ -126,3 +126,132 @@ def test_pinned_threads_run_where_they_were_pinned(engine_kernels):
     )
     # The main thread is OpenMP thread 0: it now runs on the first CPU alone.
     assert _run(code) == str([cpus[0]])
+
+
+def test_a_cgroup_quota_caps_the_thread_count(monkeypatch, tmp_path):
+    """cpu.max ``150000 100000`` (1.5 CPUs) on 4 cores: 2 threads; 0.3 CPUs: 1; no
+    quota (``max``): one per core. cgroup v1's -1 quota means none."""
+    monkeypatch.delenv(threads.BIND_ENV, raising=False)
+    _fake_topology(monkeypatch, {0, 1, 2, 3}, None)
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(threads, "CGROUP_CPU_MAX", str(cpu_max))
+    for text, want in (("150000 100000", 2), ("30000 100000", 1), ("max 100000", 4),
+                       ("800000 100000", 4)):
+        cpu_max.write_text(text + "\n")
+        assert threads.plan_threads().num_threads == want, text
+        assert threads.usable_core_count() == want, text
+    assert "quota 1.5 CPUs" in (cpu_max.write_text("150000 100000"), threads.plan_threads())[1].reason
+    assert threads.plan_threads(3).num_threads == 3  # asked for: the quota does not override
+    monkeypatch.setattr(threads, "CGROUP_CPU_MAX", str(tmp_path / "absent"))
+    v1 = (tmp_path / "quota", tmp_path / "period")
+    monkeypatch.setattr(threads, "CGROUP_V1_QUOTA", tuple(map(str, v1)))
+    v1[0].write_text("-1\n"), v1[1].write_text("100000\n")
+    assert threads.cpu_quota() is None
+    v1[0].write_text("100000\n")
+    assert threads.cpu_quota() == 1.0 and threads.plan_threads().num_threads == 1
+
+
+class _Machine:
+    """A fake clock and schedstat: ``advance(seconds, threads_running, wait_share)``
+    moves time on with each of the governor's threads waiting that share of it."""
+
+    def __init__(self) -> None:
+        self.now, self.run_ns, self.wait_ns = 100.0, 0, 0
+        self.applied: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def times(self) -> tuple[int, int]:
+        return self.run_ns, self.wait_ns
+
+    def advance(self, seconds: float, threads_now: int, wait_share: float) -> None:
+        self.now += seconds
+        self.run_ns += int(seconds * threads_now * (1 - wait_share) * 1e9)
+        self.wait_ns += int(seconds * threads_now * wait_share * 1e9)
+
+
+def _governor(machine: _Machine, max_threads: int = 2) -> threads.ThreadGovernor:
+    return threads.ThreadGovernor(max_threads, machine.applied.append, read_times=machine.times,
+                                  clock=machine.clock)
+
+
+def test_the_governor_keeps_every_thread_on_a_quiet_machine():
+    machine = _Machine()
+    governor = _governor(machine, 4)
+    for _ in range(200):  # 50 s of 10 ms steps
+        machine.advance(0.01, governor.threads, 0.005)
+        assert governor.step() == 4
+    assert machine.applied == [] and governor.changes == 0
+
+
+def test_the_governor_yields_threads_under_contention_and_probes_back():
+    """Contended windows drop the count to the CPUs' worth the threads got; a failed probe
+    is undone and doubles the back-off (2, 4, 8, 8 s); once the neighbour leaves, the
+    next probe keeps its thread and the count climbs back to the maximum."""
+    machine = _Machine()
+    governor = _governor(machine, 4)
+
+    def run(seconds: float, wait_for) -> None:
+        for _ in range(round(seconds / 0.01)):
+            machine.advance(0.01, governor.threads, wait_for(governor.threads))
+            governor.step()
+
+    # two busy neighbours on 4 cores: beyond 2 threads, each thread waits a third
+    busy = lambda t: 0.0 if t <= 2 else 0.35  # noqa: E731
+    run(1.0, busy)
+    assert machine.applied == [3, 2]  # 4 threads got 2.6 CPUs' worth, then 3 got 1.95
+    probes = []
+    start = machine.now
+    for _ in range(4000):  # 40 s
+        machine.advance(0.01, governor.threads, busy(governor.threads))
+        before = governor.threads
+        governor.step()
+        if governor.threads > before:
+            probes.append(round(machine.now - start, 1))
+    assert governor.threads == 2
+    gaps = [round(b - a, 1) for a, b in zip(probes, probes[1:])]
+    assert all(gap >= 2.0 for gap in gaps) and max(gaps) <= 8.6, probes
+    assert sorted(gaps)[-1] >= 7.9, gaps  # the back-off reached its cap
+    # the neighbours leave: within one back-off and a few windows every thread is back
+    run(8.0 + 3 * 2.5, lambda t: 0.0)
+    assert governor.threads == 4 and governor.backoff_s == governor.base_backoff_s
+
+
+def test_the_governor_ignores_idle_gaps_and_stays_off_without_schedstat():
+    machine = _Machine()
+    governor = _governor(machine)
+    machine.advance(5.0, 0, 0.0)  # the engine sat idle
+    machine.wait_ns += int(5e9)  # whatever happened meanwhile
+    assert governor.step() == 2
+    off = threads.ThreadGovernor(2, machine.applied.append, read_times=lambda: None,
+                                 clock=machine.clock)
+    assert not off.active and off.step() == 2
+    assert not threads.ThreadGovernor(1, machine.applied.append, read_times=machine.times).active
+    assert machine.applied == []
+
+
+def test_this_process_reports_its_threads_cpu_times():
+    first = threads.thread_cpu_times()
+    assert first is not None, "Linux reports per-thread schedstat"
+    sum(i * i for i in range(200000))
+    second = threads.thread_cpu_times()
+    assert second[0] > first[0] and second[1] >= first[1]
+
+
+def test_init_worker_installs_a_governor_that_before_step_drives(monkeypatch):
+    """The worker calls ``before_step`` before each model step; the CPU platform's governor
+    then owns the count (ENGINE_CPU_THREADS_ADAPT=0 leaves none)."""
+    before = torch.get_num_threads()
+    platform = CPUPlatform()
+    try:
+        platform.init_worker(2)
+        assert platform._governor is not None and platform._governor.max_threads == 2
+        platform.before_step()
+        monkeypatch.setenv(threads.ADAPT_ENV, "0")
+        fixed = CPUPlatform()
+        fixed.init_worker(2)
+        assert fixed._governor is None
+        fixed.before_step()
+    finally:
+        torch.set_num_threads(before)
