@@ -22,6 +22,14 @@ profiling code. Stages::
 
 The step reported is the median of the profiled steps by wall time, with its own stage
 split (so the stages add up to ``step_ms``); ``unaccounted`` is what no stage covers.
+
+The memory floor (:class:`DecodeFloor`): a decode step must read every weight it
+multiplies (all but the embedding table's unused rows) and every running request's KV
+cache once, so at the memory read bandwidth measured just before (the same sum over a
+buffer larger than the caches that ``engine bench`` reports) it cannot take less than
+``bytes / bandwidth``. The ratio ``step_ms / floor_ms`` is how far the step is from it;
+at batch 1 the weights dominate and the ratio is the decode GEMVs' and the step's
+overheads together.
 """
 
 from __future__ import annotations
@@ -43,12 +51,55 @@ STAGES = (
 OVERHEAD_STAGES = ("schedule", "prepare", "sample")  # what the <10% target is about
 
 
+@dataclass(frozen=True)
+class DecodeFloor:
+    """The least time a decode step's memory traffic allows (module docstring)."""
+
+    weight_bytes: int  # weights a step streams whole
+    kv_bytes: int  # KV cache the running requests' attention reads
+    read_gb_s: float  # memory read bandwidth measured beside the profile
+
+    @property
+    def floor_ms(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / (self.read_gb_s * 1e9) * 1e3
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
+                "read_gb_s": self.read_gb_s, "floor_ms": round(self.floor_ms, 6)}
+
+
+def decode_floor(engine, num_running: int, context_len: int,
+                 read_gb_s: float | None = None) -> DecodeFloor | None:
+    """The floor of the in-process engine's decode step (None when its model is not in
+    this process)."""
+    from engine.benchmarks.report import memory_read_gb_s
+    from engine.model_executor.kernel_report import streamed_weight_bytes
+
+    worker = getattr(getattr(getattr(engine.client, "core", None), "executor", None), "worker",
+                     None)
+    if worker is None:
+        return None
+    block_size = worker.config.cache.block_size
+    kv_per_token = worker.kv_block_bytes() / block_size
+    return DecodeFloor(
+        weight_bytes=streamed_weight_bytes(worker.model),
+        kv_bytes=int(kv_per_token * context_len * num_running),
+        read_gb_s=memory_read_gb_s() if read_gb_s is None else read_gb_s,
+    )
+
+
 @dataclass
 class StepProfile:
     num_running: int
     context_len: int  # tokens per request at the first profiled step
     step_ms: float  # wall time of the median step
     stage_ms: dict[str, float]  # that step's time per stage
+    floor: DecodeFloor | None = None
+
+    @property
+    def floor_ratio(self) -> float | None:
+        """The step's time over its memory floor."""
+        return None if self.floor is None else self.step_ms / self.floor.floor_ms
 
     @property
     def overhead_share(self) -> float:
@@ -62,6 +113,8 @@ class StepProfile:
             "step_ms": round(self.step_ms, 3),
             "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
             "overhead_share": round(self.overhead_share, 4),
+            "floor": None if self.floor is None else self.floor.to_json(),
+            "floor_ratio": None if self.floor_ratio is None else round(self.floor_ratio, 3),
         }
 
 
@@ -193,4 +246,5 @@ def profile_decode_step(
         engine.step()
     profiles.sort(key=lambda p: p[0])
     step_ms, stage_ms = profiles[len(profiles) // 2]  # the median step, whole
-    return StepProfile(workload.num_prompts, context_len, step_ms, stage_ms)
+    floor = decode_floor(engine, workload.num_prompts, context_len)
+    return StepProfile(workload.num_prompts, context_len, step_ms, stage_ms, floor)

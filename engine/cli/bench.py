@@ -284,6 +284,12 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
         ms = result["stage_ms"][stage]
         rows.append((f"  {stage}", f"{ms:8.3f} ms  {100 * ms / step_ms:5.1f}%"))
     rows.append(("schedule + prepare + sample", f"{100 * result['overhead_share']:.1f}% of the step"))
+    floor = result.get("floor")
+    if floor is not None:
+        rows.append(("memory floor", (
+            f"{floor['floor_ms']:.3f} ms: {floor['weight_bytes'] / 2**20:.1f} MiB of weights + "
+            f"{floor['kv_bytes'] / 2**20:.1f} MiB of KV cache at {floor['read_gb_s']} GB/s; "
+            f"the step takes {result['floor_ratio']:.2f}x")))
     _emit("profile", _llm_info(llm, load_s), _settings(workload, warmup, steps), result, rows,
           json_path)
 

@@ -73,6 +73,31 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def streamed_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads whole: every tensor but the tables a step
+    reads rows of (an embedding's: its tokens' rows; the rotary cos/sin cache: its
+    positions'), unless a linear shares one (a tied LM head streams the embedding). What
+    a batch-1 step's memory floor is made of, with the KV cache."""
+    from engine.model_executor.layers.embedding import VocabEmbedding
+    from engine.model_executor.layers.rotary import RotaryEmbedding
+
+    lookups: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (VocabEmbedding, nn.Embedding, RotaryEmbedding)):
+            lookups.update(id(t) for t in (*module.parameters(), *module.buffers()))
+    for module in model.modules():
+        if _kernel_of(module)[0] or type(module).__name__ == "LMHead":
+            lookups.difference_update(id(t) for t in (*module.parameters(), *module.buffers()))
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) in seen or id(tensor) in lookups:
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def report(model: nn.Module) -> dict[str, Any]:
     return {"quantization": quantization_scheme(model),
             "weights_mib": round(weight_bytes(model) / 2**20, 2),

@@ -138,6 +138,43 @@ def test_profile(tmp_path, llama_dir, eager):
     # The stages partition the reported step (up to the rounding of each figure).
     assert sum(stages.values()) == pytest.approx(results["step_ms"], abs=0.01)
     assert 0 < results["overhead_share"] < 1
+    _check_floor(results, llama_dir, report["runtime"]["weight_dtype"])
+
+
+def _check_floor(results: dict, model_dir, weight_dtype: str) -> None:
+    """The memory floor from the checkpoint itself: every tensor but the (untied)
+    embedding, in the dtype the engine keeps weights in (and the attention layers' FP8
+    KV scales, one float32 each for K and V), plus K and V of every layer for
+    each running request's context, over the bandwidth the report measured."""
+    import torch
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    itemsize = torch.empty((), dtype=getattr(torch, weight_dtype)).element_size()
+    weights = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if name == "model.embed_tokens.weight" and not config.get("tie_word_embeddings"):
+                    continue
+                weights += _numel(f.get_slice(name).get_shape()) * itemsize
+    weights += 2 * 4 * config["num_hidden_layers"]  # each attention's float32 k / v scale
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_itemsize = itemsize  # the KV cache keeps the weights' dtype (kv-cache-dtype auto)
+    kv = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * kv_itemsize
+          * results["context_len"] * results["num_running"])
+    floor = results["floor"]
+    assert floor["weight_bytes"] == weights
+    assert floor["kv_bytes"] == kv
+    assert floor["floor_ms"] == pytest.approx((weights + kv) / floor["read_gb_s"] / 1e6, rel=1e-3)
+    assert results["floor_ratio"] == pytest.approx(results["step_ms"] / floor["floor_ms"], rel=1e-2)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
 
 
 def test_a_quantized_checkpoint_reports_its_scheme_size_and_layer_kernels(tmp_path):
