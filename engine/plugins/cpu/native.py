@@ -180,6 +180,8 @@ class CPUKernels(FusedOps):
         self.replay_graph = _bind(lib.replay_forward_graph, [_ptr, _i64, ctypes.POINTER(_i64)])
         self._key_splits = _bind(lib.decode_key_splits, [_i32, _ptr, _i32, _i32])
         self._pin_threads = _bind(lib.pin_threads, [ctypes.POINTER(_i32), _i32])
+        self._set_split_threads = lib.set_split_threads
+        self._set_split_threads.restype, self._set_split_threads.argtypes = None, [_i32]
         self._fma_peak = lib.fma_peak_gflops
         self._fma_peak.restype, self._fma_peak.argtypes = ctypes.c_double, [_i64]
         self._decode = _bind_op(lib.paged_decode_attention, [
@@ -253,6 +255,12 @@ class CPUKernels(FusedOps):
         array = (_i32 * len(cpus))(*cpus)
         if self._pin_threads(array, len(cpus)) != 0:
             raise OSError(f"sched_setaffinity refused to pin the OpenMP threads to CPUs {cpus}")
+
+    def set_split_threads(self, threads: int) -> None:
+        """Plan decode attention's key splits for ``threads`` threads whatever the pool's
+        count is meanwhile (0: follow the pool), so the order its softmax sums in, and so
+        a request's tokens, do not depend on the thread governor's moves."""
+        self._set_split_threads(threads)
 
     # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
     def supports(self, dtype: torch.dtype) -> bool:
@@ -547,7 +555,8 @@ class CPUKernels(FusedOps):
         self, seq_lens: torch.Tensor, num_kv_heads: int, window: int | None = None
     ) -> int:
         """The key ranges per (request, KV head) the decode kernel picks for int64
-        ``seq_lens`` at the current thread count: none while the tasks alone fill the
+        ``seq_lens`` at the current thread count (or the one :meth:`set_split_threads`
+        fixed): none while the tasks alone fill the
         threads; otherwise about two work items per thread of at least 256 keys each."""
         seq_lens = seq_lens.contiguous()
         num_reqs = seq_lens.shape[0]

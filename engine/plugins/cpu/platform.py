@@ -219,6 +219,8 @@ class CPUPlatform(Platform):
         plan = plan_threads(num_threads)
         self.set_num_threads(plan.num_threads)
         kernels = load_kernels()
+        if kernels is not None:
+            kernels.set_split_threads(plan.num_threads)
         if plan.pin_cpus is not None and kernels is not None:
             try:
                 kernels.pin_threads(list(plan.pin_cpus))

@@ -20,6 +20,8 @@ int paged_decode_attention(
     int q_dtype, float k_scale, float v_scale);
 /* The key ranges per (request, KV head) task paged_decode_attention picks for num_splits 0. */
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window);
+/* Fix the thread count decode_key_splits plans for (n <= 0: the pool's current count). */
+void set_split_threads(int n);
 /* key / value in src_dtype, rounded into caches of dtype (fp8: quantized by the scales). */
 int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const void *value, int64_t v_tok_stride, int64_t v_head_stride,

@@ -602,9 +602,19 @@ DEFINE_DECODE(decode_fp8_e5m2, DTYPE_FP8_E5M2)
  * while the tasks alone fill the threads; otherwise about two work items per thread,
  * each of at least MIN_KEYS_PER_SPLIT keys of the longest (windowed) context.
  */
+static int split_threads = 0; /* set_split_threads: 0 = the pool's current count */
+
+/*
+ * The thread count decode_key_splits plans for, fixed by the worker at its plan's count:
+ * the thread governor (cpu/threads.py) changes the pool's count while the engine runs,
+ * and the key splits, which decide the order a softmax is summed in, must not follow it,
+ * or a request's tokens would depend on the machine's load. n <= 0: follow the pool.
+ */
+void set_split_threads(int n) { split_threads = n > 0 ? n : 0; }
+
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window)
 {
-    const int threads = omp_get_max_threads();
+    const int threads = split_threads > 0 ? split_threads : omp_get_max_threads();
     if (num_tasks >= threads || num_tasks <= 0) return 1;
     int64_t longest = 0;
     for (int r = 0; r < num_reqs; r++) {
