@@ -35,8 +35,8 @@ The CPU platform's ``init_worker`` applies a :class:`ThreadPlan` made by
   throughput (llama-tiny), 1 thread 90-100% of its own, which is ~55% of the quiet
   2-thread figure. So the count is not fixed: :class:`ThreadGovernor` watches, step by
   step, how long the process's threads wait on a run queue for a CPU (the kernel's
-  schedstat), drops threads while they wait (a quarter second in which each thread
-  waits more than a quarter of the time: what a neighbour holding a whole core costs;
+  schedstat), drops threads while they wait (two quarter-second windows in a row in which
+  each thread waits more than a quarter of the time: what a neighbour holding a whole core costs;
   a front end and a benchmark client sharing the cores cost 12-19%, and there 2 threads
   still beat 1), and probes one more thread again after a back-off
   (2 s, doubling to 8 s while probes fail). Quiet, no thread waits and the count stays
@@ -222,18 +222,22 @@ class ThreadGovernor:
     clock and, once a window has passed, the threads' schedstat.
 
     A window of ``window_s`` is judged by the share of it each thread spent waiting for
-    a CPU: above ``wait_share`` the CPUs are contended, and the count drops to the CPUs'
-    worth of time the threads did get (at least one fewer); at or below, a count under
+    a CPU: above ``wait_share`` the CPUs are contended, and after ``patience`` contended
+    windows in a row the count drops to the CPUs' worth of time the threads did get (at
+    least one fewer). One window is not enough: a server's front end tokenizing a burst
+    of arrivals holds a core for a fraction of a second, and a drop then would run the
+    long prefill step that follows on fewer threads. At or below, a count under
     the maximum probes one more thread once ``backoff_s`` has passed since the last
     change. A probe that meets contention is undone and doubles the back-off (up to
     ``max_backoff_s``); one that does not resets it. A window much longer than
-    ``window_s`` (the engine sat idle) is not judged.
+    ``window_s`` (the engine sat idle, or one long step filled it) is not judged, and
+    breaks a run of contended windows.
     """
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None],
                  read_times: Callable[[], tuple[int, int] | None] = thread_cpu_times,
                  clock: Callable[[], float] = time.monotonic, window_s: float = 0.25,
-                 wait_share: float = 0.25, backoff_s: float = 2.0,
+                 wait_share: float = 0.25, patience: int = 2, backoff_s: float = 2.0,
                  max_backoff_s: float = 8.0) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
@@ -244,6 +248,8 @@ class ThreadGovernor:
         self._clock = clock
         self.window_s = window_s
         self.wait_share = wait_share
+        self.patience = patience
+        self._contended_windows = 0
         self.base_backoff_s = backoff_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -272,12 +278,16 @@ class ThreadGovernor:
         (run0, wait0), (run1, wait1) = self._window_times, times
         self._window_start, self._window_times = now, times
         if elapsed > 4 * self.window_s:
-            return self.threads  # an idle gap, not a window of steps
+            self._contended_windows = 0
+            return self.threads  # an idle gap or one long step, not a window of steps
         wait = (wait1 - wait0) / 1e9 / elapsed / self.threads
         ran = (run1 - run0) / 1e9 / elapsed
         if wait > self.wait_share:
-            self._contended(now, ran)
+            self._contended_windows += 1
+            if self._probing_from is not None or self._contended_windows >= self.patience:
+                self._contended(now, ran)
         else:
+            self._contended_windows = 0
             self._quiet(now)
         return self.threads
 
@@ -288,6 +298,7 @@ class ThreadGovernor:
         else:
             target = max(1, min(self.threads - 1, math.floor(cpus_got + 0.5)))
         self._probing_from = None
+        self._contended_windows = 0
         self._apply(target, now, f"threads wait for a CPU ({cpus_got:.2f} CPUs' worth used)")
 
     def _quiet(self, now: float) -> None:

@@ -199,7 +199,7 @@ def test_the_governor_yields_threads_under_contention_and_probes_back():
 
     # two busy neighbours on 4 cores: beyond 2 threads, each thread waits a third
     busy = lambda t: 0.0 if t <= 2 else 0.35  # noqa: E731
-    run(1.0, busy)
+    run(1.5, busy)
     assert machine.applied == [3, 2]  # 4 threads got 2.6 CPUs' worth, then 3 got 1.95
     probes = []
     start = machine.now
@@ -216,6 +216,29 @@ def test_the_governor_yields_threads_under_contention_and_probes_back():
     # the neighbours leave: within one back-off and a few windows every thread is back
     run(8.0 + 3 * 2.5, lambda t: 0.0)
     assert governor.threads == 4 and governor.backoff_s == governor.base_backoff_s
+
+
+def test_a_burst_of_contention_does_not_cost_a_thread():
+    """One contended window (a front end tokenizing a burst of arrivals), then quiet steps,
+    or then one long step (the prefill of that burst): the count stays."""
+    machine = _Machine()
+    governor = _governor(machine)
+    for after in ("quiet", "long step"):
+        for _ in range(30):
+            machine.advance(0.01, governor.threads, 0.45)
+            governor.step()
+        if after == "quiet":
+            for _ in range(30):
+                machine.advance(0.01, governor.threads, 0.0)
+                governor.step()
+        else:
+            machine.advance(6.0, governor.threads, 0.0)
+            governor.step()
+        assert governor.threads == 2 and machine.applied == [], after
+    for _ in range(60):  # sustained: two windows in a row
+        machine.advance(0.01, governor.threads, 0.45)
+        governor.step()
+    assert machine.applied == [1]
 
 
 def test_the_governor_ignores_idle_gaps_and_stays_off_without_schedstat():
