@@ -203,9 +203,11 @@ def test_key_splits_merge_to_the_same_softmax(kernels, num_splits, window, q_dty
 
 def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels):
     """The kernel picks its key splits per call (num_splits=None), so a replayed graph
-    re-picks them as contexts grow."""
+    re-picks them as contexts grow (planned for the pool's count here: a worker fixes the
+    count with set_split_threads, which an engine built earlier in this process did)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(8)
+    kernels.set_split_threads(0)
     try:
         def splits(lens: list[int], kv_heads: int = 1, window: int | None = None) -> int:
             return kernels.decode_key_splits(torch.tensor(lens), kv_heads, window)
