@@ -75,8 +75,7 @@ def decode_floor(engine, num_running: int, context_len: int,
     from engine.benchmarks.report import memory_read_gb_s
     from engine.model_executor.kernel_report import streamed_weight_bytes
 
-    worker = getattr(getattr(getattr(engine.client, "core", None), "executor", None), "worker",
-                     None)
+    worker = getattr(engine.client.core.executor, "worker", None)  # None: ranks elsewhere
     if worker is None:
         return None
     block_size = worker.config.cache.block_size
@@ -207,12 +206,14 @@ def _instrument(engine, clock: _Clock) -> Iterator[None]:
 
 
 def profile_decode_step(
-    llm, workload: Workload, num_steps: int = 10, skip_steps: int = 3
+    llm, workload: Workload, num_steps: int = 10, skip_steps: int = 3,
+    read_gb_s: float | None = None,
 ) -> StepProfile:
     """Profile ``num_steps`` decode steps with ``workload.num_prompts`` requests running.
 
     Every prompt is prefilled first and ``skip_steps`` decode steps run unmeasured, so
-    each profiled step is a pure decode step of the whole batch.
+    each profiled step is a pure decode step of the whole batch. ``read_gb_s``: the
+    memory read bandwidth for the floor (None: measured after the profile).
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -246,5 +247,5 @@ def profile_decode_step(
         engine.step()
     profiles.sort(key=lambda p: p[0])
     step_ms, stage_ms = profiles[len(profiles) // 2]  # the median step, whole
-    floor = decode_floor(engine, workload.num_prompts, context_len)
+    floor = decode_floor(engine, workload.num_prompts, context_len, read_gb_s)
     return StepProfile(workload.num_prompts, context_len, step_ms, stage_ms, floor)

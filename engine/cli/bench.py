@@ -97,10 +97,11 @@ def _vocab_high(engine_kwargs: dict[str, Any]) -> int:
 
 
 def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
-          results: dict[str, Any], rows: list[tuple[str, str]], json_path: str | None) -> None:
+          results: dict[str, Any], rows: list[tuple[str, str]], json_path: str | None,
+          env: dict[str, Any] | None = None) -> None:
     from engine.benchmarks.report import environment, format_table, speculative_text, write_json
 
-    env = environment()
+    env = environment() if env is None else env
     speculative = ("speculative decoding", speculative_text(llm_info.get("speculative_config")))
     rows = rows + _runtime_row(llm_info) + [
         speculative,
@@ -266,6 +267,7 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
                 **engine_kwargs) -> None:
     """Per-stage time of one decode step with --num-prompts requests running."""
     from engine.benchmarks.offline import run_throughput
+    from engine.benchmarks.report import environment
     from engine.benchmarks.step_profile import STAGES, profile_decode_step
 
     try:
@@ -274,7 +276,9 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
                              prompt_text)
         if warmup:
             run_throughput(llm, workload, warmup=0, repeats=warmup)
-        result = profile_decode_step(llm, workload, num_steps=steps).to_json()
+        env = environment()  # one bandwidth figure for the floor and the report
+        result = profile_decode_step(llm, workload, num_steps=steps,
+                                     read_gb_s=env["memory_read_gb_s"]).to_json()
     except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     step_ms = result["step_ms"]
@@ -291,7 +295,7 @@ def profile_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
             f"{floor['kv_bytes'] / 2**20:.1f} MiB of KV cache at {floor['read_gb_s']} GB/s; "
             f"the step takes {result['floor_ratio']:.2f}x")))
     _emit("profile", _llm_info(llm, load_s), _settings(workload, warmup, steps), result, rows,
-          json_path)
+          json_path, env)
 
 
 def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:

@@ -60,10 +60,10 @@ def quantization_scheme(model: nn.Module) -> str | None:
     return " + ".join(schemes) or None
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights hold: parameters and buffers (quantized layers keep
-    their packed codes and scales as buffers), each tensor once."""
-    seen: set[int] = set()
+def _tensor_bytes(model: nn.Module, skip: set[int] = frozenset()) -> int:
+    """Bytes of the model's parameters and buffers, each tensor once, but those in
+    ``skip`` (ids)."""
+    seen: set[int] = set(skip)
     total = 0
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in seen:
@@ -73,29 +73,31 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold: parameters and buffers (quantized layers keep
+    their packed codes and scales as buffers), each tensor once."""
+    return _tensor_bytes(model)
+
+
 def streamed_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads whole: every tensor but the tables a step
     reads rows of (an embedding's: its tokens' rows; the rotary cos/sin cache: its
     positions'), unless a linear shares one (a tied LM head streams the embedding). What
     a batch-1 step's memory floor is made of, with the KV cache."""
-    from engine.model_executor.layers.embedding import VocabEmbedding
+    from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
     from engine.model_executor.layers.rotary import RotaryEmbedding
+
+    def ids(module: nn.Module) -> set[int]:
+        return {id(t) for t in (*module.parameters(), *module.buffers())}
 
     lookups: set[int] = set()
     for module in model.modules():
         if isinstance(module, (VocabEmbedding, nn.Embedding, RotaryEmbedding)):
-            lookups.update(id(t) for t in (*module.parameters(), *module.buffers()))
+            lookups |= ids(module)
     for module in model.modules():
-        if _kernel_of(module)[0] or type(module).__name__ == "LMHead":
-            lookups.difference_update(id(t) for t in (*module.parameters(), *module.buffers()))
-    seen: set[int] = set()
-    total = 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) in seen or id(tensor) in lookups:
-            continue
-        seen.add(id(tensor))
-        total += tensor.numel() * tensor.element_size()
-    return total
+        if _kernel_of(module)[0] or isinstance(module, LMHead):
+            lookups -= ids(module)
+    return _tensor_bytes(model, skip=lookups)
 
 
 def report(model: nn.Module) -> dict[str, Any]:

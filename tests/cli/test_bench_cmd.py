@@ -139,6 +139,7 @@ def test_profile(tmp_path, llama_dir, eager):
     assert sum(stages.values()) == pytest.approx(results["step_ms"], abs=0.01)
     assert 0 < results["overhead_share"] < 1
     _check_floor(results, llama_dir, report["runtime"]["weight_dtype"])
+    assert results["floor"]["read_gb_s"] == report["environment"]["memory_read_gb_s"]
 
 
 def _check_floor(results: dict, model_dir, weight_dtype: str) -> None:

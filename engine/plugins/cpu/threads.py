@@ -117,8 +117,7 @@ def cpu_quota() -> float | None:
     """The CPUs' worth of time a cgroup quota grants this process (``cpu.max`` 150000
     100000 -> 1.5), None without a quota."""
     try:
-        with open(CGROUP_CPU_MAX) as f:
-            quota, period = f.read().split()[:2]
+        quota, period = Path(CGROUP_CPU_MAX).read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass

@@ -280,21 +280,21 @@ def test_init_worker_installs_a_governor_that_before_step_drives(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_decode_key_splits_follow_the_plan_not_the_governors_count(engine_kernels):
-    """The worker fixes the count decode attention plans its key splits for: with it set,
+def test_decode_key_splits_follow_the_plan_not_the_governors_count(kernels):
+    """(Every ISA level this CPU runs.) The worker fixes the count decode attention plans its key splits for: with it set,
     the splits (and so the softmax's summation order) stay what they were when the pool
     shrinks; 0 follows the pool again."""
     seq_lens = torch.tensor([4096], dtype=torch.int64)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        engine_kernels.set_split_threads(0)
-        at_two = engine_kernels.decode_key_splits(seq_lens, 1)
-        engine_kernels.set_split_threads(2)
+        kernels.set_split_threads(0)
+        at_two = kernels.decode_key_splits(seq_lens, 1)
+        kernels.set_split_threads(2)
         torch.set_num_threads(1)
-        assert engine_kernels.decode_key_splits(seq_lens, 1) == at_two > 1
-        engine_kernels.set_split_threads(0)
-        assert engine_kernels.decode_key_splits(seq_lens, 1) < at_two
+        assert kernels.decode_key_splits(seq_lens, 1) == at_two > 1
+        kernels.set_split_threads(0)
+        assert kernels.decode_key_splits(seq_lens, 1) < at_two
     finally:
-        engine_kernels.set_split_threads(0)
+        kernels.set_split_threads(0)
         torch.set_num_threads(before)
