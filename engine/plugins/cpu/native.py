@@ -36,6 +36,7 @@ import torch
 
 from engine.core.interfaces import FusedOps, GraphCaptureError
 from engine.plugins.cpu import kernel_build
+from engine.plugins.cpu.stream_prefetch import StreamPrefetchChoice, choose_stream_prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,8 @@ class CPUKernels(FusedOps):
         self._pin_threads = _bind(lib.pin_threads, [ctypes.POINTER(_i32), _i32])
         self._set_split_threads = lib.set_split_threads
         self._set_split_threads.restype, self._set_split_threads.argtypes = None, [_i32]
+        self._set_stream_prefetch = _bind(lib.set_stream_prefetch, [_i32])
+        self.stream_prefetch: str = "nta"  # the library's default (csrc/cpu_math.h)
         self._fma_peak = lib.fma_peak_gflops
         self._fma_peak.restype, self._fma_peak.argtypes = ctypes.c_double, [_i64]
         self._decode = _bind_op(lib.paged_decode_attention, [
@@ -236,6 +239,8 @@ class CPUKernels(FusedOps):
             _i32, _i32, _i32, _i64, _f32, _ptr,  # scheme, strategy, dynamic, group, scale, out
         ])
 
+    stream_choice: StreamPrefetchChoice | None = None  # set by load_kernels
+
     def __repr__(self) -> str:
         return f"CPUKernels(level={self.level!r}, path={str(self.path)!r})"
 
@@ -255,6 +260,15 @@ class CPUKernels(FusedOps):
         array = (_i32 * len(cpus))(*cpus)
         if self._pin_threads(array, len(cpus)) != 0:
             raise OSError(f"sched_setaffinity refused to pin the OpenMP threads to CPUs {cpus}")
+
+    def set_stream_prefetch(self, mode: str) -> None:
+        """How the decode GEMMs prefetch the weights they stream: ``nta``, ``t0`` or
+        ``none`` (see :mod:`.stream_prefetch`, which chooses it when the library loads)."""
+        from engine.plugins.cpu.stream_prefetch import MODES
+
+        if mode not in MODES or self._set_stream_prefetch(MODES.index(mode)) < 0:
+            raise ValueError(f"unknown stream prefetch mode {mode!r}; modes: {', '.join(MODES)}")
+        self.stream_prefetch = mode
 
     def set_split_threads(self, threads: int) -> None:
         """Plan decode attention's key splits for ``threads`` threads whatever the pool's
@@ -712,7 +726,9 @@ def _load_level(name: str) -> CPUKernels | None:
     try:
         with _LOCK:
             path = kernel_build.built_library(compiler, kernel_build.LEVELS[name])
-            return CPUKernels(ctypes.CDLL(str(path)), path)
+            kernels = CPUKernels(ctypes.CDLL(str(path)), path)
+            kernels.stream_choice = choose_stream_prefetch(kernels)
+            return kernels
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)
         return None

@@ -27,6 +27,27 @@ static inline int is_fp8(int dtype) { return dtype == DTYPE_FP8_E4M3 || dtype ==
 #endif
 #endif
 
+/*
+ * How the kernels prefetch what one call reads exactly once (a decode step's weights,
+ * streamed from memory): STREAM_PREFETCH_NTA (the non-temporal hint: the sweep does not
+ * evict the step's other data), _T0 (the ordinary hint) or _NONE (the hardware
+ * prefetchers alone). Which streams fastest is the machine's business: on Zen cores the
+ * NTA hint streams at memory speed, while a core whose NTA fills bypass its L2 (and so
+ * its L2 streamer) holds one line fill buffer per line in flight and reads at a fraction
+ * of it. native.py times the three on the machine at hand once (cached) and sets the
+ * winner with set_stream_prefetch (runtime.c); NTA until then.
+ */
+enum { STREAM_PREFETCH_NTA = 0, STREAM_PREFETCH_T0 = 1, STREAM_PREFETCH_NONE = 2 };
+extern int stream_prefetch_mode;
+
+/* Prefetch p, an address ahead of a once-read stream, as stream_prefetch_mode says. */
+static inline __attribute__((always_inline)) void stream_prefetch(const void *p) {
+    if (stream_prefetch_mode == STREAM_PREFETCH_NTA)
+        __builtin_prefetch(p, 0, 0);
+    else if (stream_prefetch_mode == STREAM_PREFETCH_T0)
+        __builtin_prefetch(p, 0, 3);
+}
+
 static inline int64_t dtype_size(int dtype) {
     return dtype == DTYPE_F32 ? 4 : is_fp8(dtype) ? 1 : 2;
 }

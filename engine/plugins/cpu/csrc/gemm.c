@@ -20,9 +20,9 @@
  *
  * Two schedules:
  * - M <= GEMM_ROWS (decode): one register block covers every row, so each panel is
- *   read exactly once, widened on the fly and prefetched with the non-temporal hint
- *   (a decode step's sweep over weights larger than the caches then keeps the rest of
- *   the step's working set). Work items are panels. With one or two rows a second set
+ *   read exactly once, widened on the fly and prefetched as a once-read stream
+ *   (stream_prefetch: by default with the non-temporal hint, so a decode step's sweep
+ *   over weights larger than the caches keeps the rest of the step's working set). Work items are panels. With one or two rows a second set
  *   of accumulators takes the odd k, so enough multiply-adds are in flight to stream at
  *   memory speed.
  * - larger M (prefill): work items are (panel, chunk of GEMM_CHUNK rows). K is cut into
@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void gemm_block(
             const char *w0 = wbytes + k * row_bytes;
 #pragma GCC unroll 4
             for (int64_t off = 0; off < 2 * J * VF * wsize; off += 64)
-                __builtin_prefetch(w0 + PREFETCH_AHEAD + off, 0, 0);
+                stream_prefetch(w0 + PREFETCH_AHEAD + off);
             vf wa[GEMM_VECS], wb[GEMM_VECS];
 #pragma GCC unroll 4
             for (int j = 0; j < J; j++) {
@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void gemm_block(
             const char *w0 = wbytes + k * row_bytes;
 #pragma GCC unroll 4
             for (int64_t off = 0; off < J * VF * wsize; off += 64)
-                __builtin_prefetch(w0 + PREFETCH_AHEAD + off, 0, 0);
+                stream_prefetch(w0 + PREFETCH_AHEAD + off);
         }
         vf wv[GEMM_VECS];
 #pragma GCC unroll 4
@@ -341,7 +341,7 @@ static inline __attribute__((always_inline)) void plain_block(
             const vf x0 = vf_load(x + i), x1 = vf_load(x + i + VF);
             for (int v = 0; v < WR; v++) {
                 const int64_t at = (n0 + v) * ldw + i;
-                __builtin_prefetch((const char *)w + at * dtype_size(wdt) + PREFETCH_AHEAD, 0, 0);
+                stream_prefetch((const char *)w + at * dtype_size(wdt) + PREFETCH_AHEAD);
                 acc[0][v] += x0 * vf_load_as(w, at, wdt);
                 odd[v] += x1 * vf_load_as(w, at + VF, wdt);
             }

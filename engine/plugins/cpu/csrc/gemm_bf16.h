@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void bf16_register_block(
         for (int j = 0; j < J; j++) {
             const char *ahead = (const char *)(w + BF16_PREFETCH_PAIRS * stride + 32 * j);
             if (streamed)
-                _mm_prefetch(ahead, _MM_HINT_NTA);
+                stream_prefetch(ahead);
             else
                 _mm_prefetch(ahead, _MM_HINT_T0);
             wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
@@ -163,11 +163,10 @@ static void bf16_rows_times_panel(int rows, int64_t width, const uint16_t *x, in
  * [N] when not NULL. 0, or -1 for shapes the packing does not take.
  *
  * With M <= BF16_ROWS one register block covers every row, so each panel is read exactly
- * once: its prefetches then carry the non-temporal hint, and a decode step's sweep over
- * all the weights (larger than the caches) no longer evicts what the rest of the step
- * reuses (interpreter state, KV cache, activations). Measured on llama-tiny batch-1
- * decode: 3.5-3.7 ms per token against 4.0-4.7 ms with the ordinary hint, in alternating
- * runs. Larger M re-read each panel from L2 per block of rows and keep it there.
+ * once: it is prefetched as a once-read stream (stream_prefetch, cpu_math.h: the mode
+ * timed fastest on this machine; with the non-temporal hint, a decode step's sweep over
+ * weights larger than the caches does not evict what the rest of the step reuses).
+ * Larger M re-read each panel from L2 per block of rows and keep it there.
  */
 static int gemm_bf16_vector(const uint16_t *x, int64_t ldx, const uint16_t *packed,
                             const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t m,
@@ -212,7 +211,7 @@ static inline __attribute__((always_inline)) void bf16_plain_rows_block(
         for (; i + 64 <= k; i += 64) {
             const uint16_t *row = w + (n0 + v) * ldw + i;
             if (R == 1) /* streamed once: fetch ahead, past the caches */
-                _mm_prefetch((const char *)row + 1024, _MM_HINT_NTA);
+                stream_prefetch((const char *)row + 1024);
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + 32);
             for (int r = 0; r < R; r++) {

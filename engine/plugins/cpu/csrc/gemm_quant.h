@@ -443,7 +443,7 @@ static inline __attribute__((always_inline)) void qdecode_panel(
             for (; i + 2 <= k1; i += 2) {
                 const uint8_t *c0 = codes + i * row_bytes;
                 for (int64_t off = 0; off < 2 * row_bytes; off += 64)
-                    __builtin_prefetch(c0 + PREFETCH_AHEAD + off, 0, 0);
+                    stream_prefetch(c0 + PREFETCH_AHEAD + off);
                 vf wa[J], wb[J];
                 q_load_k(kind, c0, wa);
                 q_load_k(kind, c0 + row_bytes, wb);
@@ -467,7 +467,7 @@ static inline __attribute__((always_inline)) void qdecode_panel(
             const uint8_t *c0 = codes + i * row_bytes;
             if (!dual)
                 for (int64_t off = 0; off < row_bytes; off += 64)
-                    __builtin_prefetch(c0 + PREFETCH_AHEAD + off, 0, 0);
+                    stream_prefetch(c0 + PREFETCH_AHEAD + off);
             vf wv[J];
             q_load_k(kind, c0, wv);
             if (kind == QK_NVFP4)
@@ -523,7 +523,7 @@ static inline __attribute__((always_inline)) void qdecode_nvfp4_panel(
         for (int64_t i = g * 16; i < (g + 1) * 16; i++) {
             const uint8_t *c0 = codes + i * row_bytes;
             if (streamed && i % 2 == 0)
-                __builtin_prefetch(c0 + PREFETCH_AHEAD, 0, 0);
+                stream_prefetch(c0 + PREFETCH_AHEAD);
 #pragma GCC unroll 4
             for (int jp = 0; jp < J / 2; jp++) {
                 const vi v = vi_from_u8(c0 + jp * VF), lo = v & 15, hi = v >> 4;
@@ -760,7 +760,7 @@ static inline __attribute__((always_inline)) void qvnni_block(
         const uint8_t *w = panel + q * 4 * PANEL;
         if (streamed)
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)w + 1024 + 64 * j, _MM_HINT_NTA);
+            for (int j = 0; j < 4; j++) stream_prefetch((const char *)w + 1024 + 64 * j);
         __m512i wv[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_si512(w + 64 * j);
@@ -884,7 +884,7 @@ static inline __attribute__((always_inline)) void qint4_bf16_pair(
     const __m512i low = _mm512_set1_epi16(0x000f), exponent = _mm512_set1_epi16(0x4300);
     const uint8_t *c0 = codes + i * 64;
     if (streamed)
-        _mm_prefetch((const char *)c0 + QINT4_PREFETCH_AHEAD, _MM_HINT_NTA);
+        stream_prefetch((const char *)c0 + QINT4_PREFETCH_AHEAD);
     const __m512i b = _mm512_loadu_si512(c0);
     __m512bh w[4]; /* (b >> 4 n) & 0x000f | 0x4300: vpternlogd's (A & B) | C */
     w[0] = (__m512bh)_mm512_ternarylogic_epi32(b, low, exponent, 0xea);

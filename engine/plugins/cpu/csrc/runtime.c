@@ -16,6 +16,19 @@ enum { FEATURE_BF16_DOT = 1, FEATURE_AMX = 2 };
 
 int gemm_amx_ready(void); /* gemm.c */
 
+int stream_prefetch_mode = STREAM_PREFETCH_NTA; /* cpu_math.h */
+
+/* Set how once-read streams are prefetched (STREAM_PREFETCH_*); returns the previous
+ * mode, or -1 (nothing changed) for an unknown one. */
+int set_stream_prefetch(int mode)
+{
+    if (mode < STREAM_PREFETCH_NTA || mode > STREAM_PREFETCH_NONE)
+        return -1;
+    const int previous = stream_prefetch_mode;
+    stream_prefetch_mode = mode;
+    return previous;
+}
+
 /* The ISA level this library was built for (kernel_build.LEVELS names). */
 const char *isa_level(void) { return ENGINE_ISA_LEVEL; }
 
