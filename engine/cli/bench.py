@@ -134,6 +134,8 @@ def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
     if not runtime:
         return []
     level = runtime.get("isa_level")
+    if level and runtime.get("stream_prefetch"):
+        level += f", stream prefetch {runtime['stream_prefetch']}"
     where = f"{runtime['platform']}" + (f" ({level})" if level else "")
     cpu = runtime.get("cpu_model")
     weights = (f"{runtime['quantization']} quantized" if runtime.get("quantization")

@@ -717,6 +717,14 @@ def load_kernels(level: str | None = None) -> CPUKernels | None:
     return _load_level(name)
 
 
+_LOADED: dict[str, CPUKernels] = {}  # what _load_level returned, by level
+
+
+def loaded_kernels(level: str) -> CPUKernels | None:
+    """The kernels of ``level`` if this process has loaded them (never builds)."""
+    return _LOADED.get(level)
+
+
 @cache
 def _load_level(name: str) -> CPUKernels | None:
     compiler = os.environ.get("CC") or "cc"
@@ -728,6 +736,7 @@ def _load_level(name: str) -> CPUKernels | None:
             path = kernel_build.built_library(compiler, kernel_build.LEVELS[name])
             kernels = CPUKernels(ctypes.CDLL(str(path)), path)
             kernels.stream_choice = choose_stream_prefetch(kernels)
+            _LOADED[name] = kernels
             return kernels
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)

@@ -303,7 +303,7 @@ class CPUPlatform(Platform):
         order; builds nothing, so ``engine plugins`` stays fast."""
         from engine.plugins.cpu import kernel_build
         from engine.plugins.cpu.gemm import gemm_preference
-        from engine.plugins.cpu.native import native_kernels_enabled
+        from engine.plugins.cpu.native import loaded_kernels, native_kernels_enabled
         from engine.plugins.cpu.quant_gemm import quant_gemm_preference
 
         info: dict[str, Any] = {"isa_level": None}
@@ -318,6 +318,9 @@ class CPUPlatform(Platform):
             info["isa_level"] = None
             info["error"] = "C kernels disabled (ENGINE_CPU_NATIVE_KERNELS=0)"
         info["cpu_model"] = kernel_build.cpu_model_name()
+        loaded = info["isa_level"] and loaded_kernels(info["isa_level"])
+        if loaded:  # how its decode GEMMs prefetch their weights (cpu.stream_prefetch)
+            info["stream_prefetch"] = loaded.stream_prefetch
         return info
 
     def fused_moe_kernels(self) -> list[type[FusedMoEKernel]]:

@@ -73,6 +73,18 @@ def l3_bytes() -> int:
     return best or _FALLBACK_L3
 
 
+def stream_bytes() -> int:
+    """How many bytes of weights the timing streams: three L3s (so no pass finds its
+    weights cached), at least ``MIN_STREAM_BYTES``, at most ``MAX_STREAM_BYTES`` and an
+    eighth of the memory available now (a small container must not run out for it)."""
+    wanted = min(MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, 3 * l3_bytes()))
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return wanted
+    return max(16 << 20, min(wanted, available // 8))
+
+
 def stream_gb_s(kernels: "CPUKernels", modes: tuple[str, ...] = MODES,
                 rounds: int = ROUNDS) -> dict[str, float]:
     """GB/s of the level's decode GEMM (one row of activations) over weights of several
@@ -80,7 +92,7 @@ def stream_gb_s(kernels: "CPUKernels", modes: tuple[str, ...] = MODES,
     import torch
 
     n, k = WEIGHT_SHAPE
-    count = max(2, min(MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, 3 * l3_bytes())) // (n * k * 2))
+    count = max(2, stream_bytes() // (n * k * 2))
     act = torch.bfloat16 if kernels.has_bf16_dot else torch.float32
     # Packed weights are only streamed here: any finite bf16 values time the same.
     weights = [torch.full((n * k,), 0.01, dtype=torch.bfloat16) for _ in range(count)]

@@ -284,13 +284,13 @@ class ThreadGovernor:
         if wait > self.wait_share:
             self._contended_windows += 1
             if self._probing_from is not None or self._contended_windows >= self.patience:
-                self._contended(now, ran)
+                self._contended(now, ran, wait)
         else:
             self._contended_windows = 0
             self._quiet(now)
         return self.threads
 
-    def _contended(self, now: float, cpus_got: float) -> None:
+    def _contended(self, now: float, cpus_got: float, wait: float) -> None:
         if self._probing_from is not None:
             target = self._probing_from
             self.backoff_s = min(self.max_backoff_s, self.backoff_s * 2)
@@ -298,7 +298,8 @@ class ThreadGovernor:
             target = max(1, min(self.threads - 1, math.floor(cpus_got + 0.5)))
         self._probing_from = None
         self._contended_windows = 0
-        self._apply(target, now, f"threads wait for a CPU ({cpus_got:.2f} CPUs' worth used)")
+        self._apply(target, now, f"each thread waits {wait:.0%} of the time for a CPU "
+                                 f"({cpus_got:.2f} CPUs' worth used)")
 
     def _quiet(self, now: float) -> None:
         if self._probing_from is not None:
