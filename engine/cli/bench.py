@@ -136,6 +136,8 @@ def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
     level = runtime.get("isa_level")
     if level and runtime.get("stream_prefetch"):
         level += f", stream prefetch {runtime['stream_prefetch']}"
+    if level and runtime.get("amx_min_rows"):
+        level += f", AMX from {runtime['amx_min_rows']} rows"
     where = f"{runtime['platform']}" + (f" ({level})" if level else "")
     cpu = runtime.get("cpu_model")
     weights = (f"{runtime['quantization']} quantized" if runtime.get("quantization")

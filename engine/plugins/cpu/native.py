@@ -36,7 +36,7 @@ import torch
 
 from engine.core.interfaces import FusedOps, GraphCaptureError
 from engine.plugins.cpu import kernel_build
-from engine.plugins.cpu.stream_prefetch import StreamPrefetchChoice, choose_stream_prefetch
+from engine.plugins.cpu.kernel_tuning import AMX_MIN_ROWS, MODES, KernelTuning, tune_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,8 @@ class CPUKernels(FusedOps):
         self._set_split_threads.restype, self._set_split_threads.argtypes = None, [_i32]
         self._set_stream_prefetch = _bind(lib.set_stream_prefetch, [_i32])
         self.stream_prefetch: str = "nta"  # the library's default (csrc/cpu_math.h)
+        self._set_amx_min_rows = _bind(lib.gemm_set_amx_min_rows, [_i32])
+        self.amx_min_rows: int | None = AMX_MIN_ROWS if self.has_amx else None
         self._fma_peak = lib.fma_peak_gflops
         self._fma_peak.restype, self._fma_peak.argtypes = ctypes.c_double, [_i64]
         self._decode = _bind_op(lib.paged_decode_attention, [
@@ -239,7 +241,7 @@ class CPUKernels(FusedOps):
             _i32, _i32, _i32, _i64, _f32, _ptr,  # scheme, strategy, dynamic, group, scale, out
         ])
 
-    stream_choice: StreamPrefetchChoice | None = None  # set by load_kernels
+    tuning: KernelTuning | None = None  # what load_kernels timed or read for this machine
 
     def __repr__(self) -> str:
         return f"CPUKernels(level={self.level!r}, path={str(self.path)!r})"
@@ -263,12 +265,19 @@ class CPUKernels(FusedOps):
 
     def set_stream_prefetch(self, mode: str) -> None:
         """How the decode GEMMs prefetch the weights they stream: ``nta``, ``t0`` or
-        ``none`` (see :mod:`.stream_prefetch`, which chooses it when the library loads)."""
-        from engine.plugins.cpu.stream_prefetch import MODES
-
+        ``none`` (:mod:`.kernel_tuning` times them when the library loads)."""
         if mode not in MODES or self._set_stream_prefetch(MODES.index(mode)) < 0:
             raise ValueError(f"unknown stream prefetch mode {mode!r}; modes: {', '.join(MODES)}")
         self.stream_prefetch = mode
+
+    def set_amx_min_rows(self, rows: int) -> None:
+        """From how many rows of activations the bf16 GEMM takes the AMX tiles
+        (:mod:`.kernel_tuning` measures the crossover when the library loads)."""
+        if not self.has_amx or self._set_amx_min_rows(rows) < 0:
+            raise ValueError(f"cannot take AMX tiles from {rows} rows: "
+                             + ("a count must be >= 1" if self.has_amx
+                                else f"the {self.level} kernels have no usable tiles"))
+        self.amx_min_rows = rows
 
     def set_split_threads(self, threads: int) -> None:
         """Plan decode attention's key splits for ``threads`` threads whatever the pool's
@@ -735,7 +744,7 @@ def _load_level(name: str) -> CPUKernels | None:
         with _LOCK:
             path = kernel_build.built_library(compiler, kernel_build.LEVELS[name])
             kernels = CPUKernels(ctypes.CDLL(str(path)), path)
-            kernels.stream_choice = choose_stream_prefetch(kernels)
+            kernels.tuning = tune_kernels(kernels)
             _LOADED[name] = kernels
             return kernels
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

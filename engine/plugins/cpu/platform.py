@@ -319,8 +319,10 @@ class CPUPlatform(Platform):
             info["error"] = "C kernels disabled (ENGINE_CPU_NATIVE_KERNELS=0)"
         info["cpu_model"] = kernel_build.cpu_model_name()
         loaded = info["isa_level"] and loaded_kernels(info["isa_level"])
-        if loaded:  # how its decode GEMMs prefetch their weights (cpu.stream_prefetch)
+        if loaded:  # what cpu.kernel_tuning chose for this machine
             info["stream_prefetch"] = loaded.stream_prefetch
+            if loaded.amx_min_rows is not None:
+                info["amx_min_rows"] = loaded.amx_min_rows
         return info
 
     def fused_moe_kernels(self) -> list[type[FusedMoEKernel]]:

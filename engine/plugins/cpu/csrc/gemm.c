@@ -69,6 +69,23 @@
  * it; the tiles' permission and self-check run once, here). */
 int gemm_amx_ready(void) { return amx_usable(); }
 
+/* From how many rows of x the bf16 GEMM takes the AMX tiles (below: vdpbf16ps): the
+ * crossover kernel_tuning.py measures on the machine. Returns the previous count, or -1
+ * (nothing changed) for a count below 1 or a library without tiles. */
+int gemm_set_amx_min_rows(int rows)
+{
+#if defined(ENGINE_AMX)
+    if (rows < 1)
+        return -1;
+    const int previous = amx_min_rows;
+    amx_min_rows = rows;
+    return previous;
+#else
+    (void)rows;
+    return -1;
+#endif
+}
+
 static inline int64_t panel_width(int64_t p, int64_t n) {
     const int64_t left = n - p * PANEL;
     return left < PANEL ? left : PANEL;

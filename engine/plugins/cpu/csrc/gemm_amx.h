@@ -10,8 +10,8 @@
  * A row block shorter than 32 is copied into a zero-padded buffer first; a panel whose
  * width is an odd number of 16-column blocks runs its last block alone. The C tiles are
  * stored to float32 scratch, the bias added, and each value rounded to bf16 once (as
- * the vdpbf16ps kernel does). Shapes the tiles do not cover (K % 32, fewer than
- * AMX_MIN_ROWS rows) stay on vdpbf16ps.
+ * the vdpbf16ps kernel does). Shapes the tiles do not cover (K % 32, fewer rows than
+ * the crossover amx_min_rows) stay on vdpbf16ps.
  *
  * Linux hands AMX state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM);
  * amx_ready() asks once, then checks the tile path against the vdpbf16ps one on a small
@@ -26,7 +26,10 @@
 
 #include <stdlib.h>
 
-#define AMX_MIN_ROWS 32 /* rows of x from which the tiles take a GEMM */
+#define AMX_MIN_ROWS 32 /* rows of x from which the tiles take a GEMM, until measured */
+/* The crossover in force: AMX_MIN_ROWS, or what native.py measured on this machine
+ * (kernel_tuning.py) and set through gemm_set_amx_min_rows (gemm.c). */
+static int amx_min_rows = AMX_MIN_ROWS;
 #define AMX_ROWS 32     /* rows of x per work item: two A tiles */
 #define AMX_COLS 32     /* columns per work item: two B tiles */
 #define AMX_K 32        /* k per tile step: 16 pairs, 64 bytes of a row */
@@ -160,7 +163,7 @@ static void amx_item(const uint16_t *x, int64_t ldx, int rows, const uint16_t *p
         }
 }
 
-static int amx_covers(int64_t m, int64_t k) { return m >= AMX_MIN_ROWS && k % AMX_K == 0; }
+static int amx_covers(int64_t m, int64_t k) { return m >= amx_min_rows && k % AMX_K == 0; }
 
 /* out [m, n] = x W^T (+ bias) on the pair layout, through AMX tiles; 0, or -3 when the
  * padding buffers cannot be had. */
