@@ -745,7 +745,7 @@ def _load_level(name: str) -> CPUKernels | None:
             path = kernel_build.built_library(compiler, kernel_build.LEVELS[name])
             kernels = CPUKernels(ctypes.CDLL(str(path)), path)
             kernels.tuning = tune_kernels(kernels)
-            _LOADED[name] = kernels
+            _LOADED.setdefault(name, kernels)  # the first: what load_kernels returns
             return kernels
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU C kernels unavailable, using torch ops instead: %s", exc)

@@ -287,7 +287,7 @@ def test_the_engine_runs_the_native_kernels_of_its_level(llama_dir):
     info = executor.runtime_info()
     level = kernel_build.select_level().name
     assert info["isa_level"] == level
-    assert info["stream_prefetch"] == native.load_kernels(level).stream_choice.mode
+    assert info["stream_prefetch"] == native.load_kernels(level).tuning.stream_prefetch
     assert set(info["gemm_kernels"]) == {f"cpu_packed ({level})"}, info["gemm_kernels"]
     model = executor.runner.model.model
     assert model.layers[0].self_attn.attn.impl.kernels is not None
