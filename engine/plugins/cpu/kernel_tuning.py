@@ -15,8 +15,8 @@ Which streams fastest depends on the core, and the wrong one is expensive: on co
 whose NTA fills bypass the L2 (and so its streamer), a thread's stream is bounded by its
 line fill buffers (a Sapphire Rapids VM read a decode step's weights at ~12 of its ~28
 GB/s, with the same time on its AVX512-BF16 and AMX levels), while the same hint streams
-at memory speed on Zen 3. On a Zen 4 the bf16 kernel streamed at 33 GB/s with ``nta``
-and 40 GB/s with ``none``. So :func:`stream_gb_s` times the level's own decode GEMM (one
+at memory speed on Zen 3. On a quiet Zen 4 the bf16 kernel streamed at 33 GB/s with
+``nta`` and 40 GB/s with ``none``. So :func:`stream_gb_s` times the level's own decode GEMM (one
 row, the activation dtype ``--dtype auto`` uses there) over weights several times the L3,
 every mode in turn, and ``nta`` stays unless another mode is faster by ``MIN_GAIN``.
 
@@ -262,8 +262,13 @@ def tune_kernels(kernels: "CPUKernels") -> KernelTuning:
         file = _cache_file(kernels)
         tuning = _read_cache(file, cpu_model)
         if tuning is None:
-            tuning = _timed(kernels, cpu_model)
-            _write_cache(file, tuning)
+            try:
+                tuning = _timed(kernels, cpu_model)
+                _write_cache(file, tuning)
+            except (MemoryError, RuntimeError, ValueError) as exc:  # the kernels still run
+                logger.warning("%s kernels not tuned (%s): built-in defaults", kernels.level, exc)
+                tuning = KernelTuning(DEFAULT_MODE, kernels.amx_min_rows, f"not timed: {exc}",
+                                      cpu_model)
         tuning = dataclasses.replace(tuning, **fixed)
     kernels.set_stream_prefetch(tuning.stream_prefetch)
     if kernels.has_amx and tuning.amx_min_rows is not None:

@@ -162,3 +162,17 @@ if EMULATED.runs_on(kernel_build.machine(), kernel_build.cpu_flags()):
         monkeypatch.setenv(kernel_tuning.AMX_ENV, "-3")
         with pytest.raises(ValueError, match=kernel_tuning.AMX_ENV):
             kernel_tuning.tune_kernels(tiles)
+
+
+def test_a_failed_timing_leaves_the_defaults(tmp_path, monkeypatch, engine_kernels, caplog):
+    _fresh_cache(tmp_path, monkeypatch, engine_kernels)
+    monkeypatch.delenv(kernel_tuning.STREAM_ENV, raising=False)
+
+    def out_of_memory(kernels):
+        raise MemoryError("no room for the timed weights")
+
+    monkeypatch.setattr(kernel_tuning, "stream_gb_s", out_of_memory)
+    loaded = native._load_level.__wrapped__(engine_kernels.level)
+    assert loaded is not None and loaded.stream_prefetch == kernel_tuning.DEFAULT_MODE
+    assert loaded.tuning.reason.startswith("not timed") and "not tuned" in caplog.text
+    assert not list((tmp_path / "cpu_kernels").glob("*.tuning.json"))  # timed next time
