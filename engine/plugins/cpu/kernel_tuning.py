@@ -22,12 +22,13 @@ every mode in turn, and ``nta`` stays unless another mode is faster by ``MIN_GAI
 
 **AMX crossover.** Tiles pay from some number of rows of activations: below it the
 vdpbf16ps register blocks win (a tile step has a fixed cost and pads short row blocks to
-16). :func:`amx_times_us` times both on a prefill-sized weight over ``AMX_ROWS`` and
+16). :func:`amx_times_us` times both on weights streamed from memory over ``AMX_ROWS`` and
 :func:`amx_crossover` takes the fewest rows from which the tiles win at every size
 measured; the library's built-in 32 applies until then.
 
 The result is cached beside the library (keyed by the library, which hashes sources and
-flags, and by the CPU model), so only the first load on a machine pays its ~0.1-0.3 s.
+flags, and by the CPU model), so only the first load on a machine pays its ~0.1-0.3 s
+(~1 s more with AMX).
 ``ENGINE_CPU_STREAM_PREFETCH=nta|t0|none`` and ``ENGINE_CPU_AMX_MIN_ROWS=N`` fix either.
 """
 
@@ -56,9 +57,9 @@ ROUNDS = 3  # timed passes per mode, interleaved; the best of each counts
 STREAM_SHAPE = (4096, 1024)  # one timed weight: 8 MiB in bf16, a large decode linear
 MIN_STREAM_BYTES, MAX_STREAM_BYTES = 64 << 20, 512 << 20
 AMX_SHAPE = (2048, 1024)  # the tiles' timed weight: 4 MiB in bf16
-AMX_ROWS = (4, 8, 16, 32, 64, 128)
+AMX_ROWS = (4, 8, 16, 32, 64, 128)  # decode batches to prefill chunks
 AMX_MIN_ROWS = 32  # csrc/gemm_amx.h's crossover until one is measured
-AMX_REPEATS = 5
+AMX_REPEATS = 3
 NEVER = 1 << 30  # an AMX crossover no batch reaches: the tiles never won
 _FALLBACK_L3 = 32 << 20
 _CACHE_VERSION = 2
@@ -147,14 +148,19 @@ def pick_stream_prefetch(gb_s: dict[str, float]) -> str:
 
 # -- AMX crossover -------------------------------------------------------------------------
 def amx_times_us(kernels: "CPUKernels") -> dict[int, tuple[float, float]]:
-    """Microseconds of the bf16 GEMM through the tiles and through vdpbf16ps, at each
-    row count of ``AMX_ROWS`` on one ``AMX_SHAPE`` weight (the best of ``AMX_REPEATS``)."""
+    """Microseconds per ``AMX_SHAPE`` weight of the bf16 GEMM through the tiles and
+    through vdpbf16ps, at each row count of ``AMX_ROWS`` (the best of ``AMX_REPEATS``
+    passes). A pass multiplies a row block by copies of the weight that together exceed
+    the L3, so each call reads its weight from memory, as a model's linears do at every
+    batch size: a crossover timed on a cached weight would favour the tiles at the small
+    row counts where a step is bound by streaming its weights."""
     import torch
 
     rows, repeats = AMX_ROWS, AMX_REPEATS
     n, k = AMX_SHAPE
     gen = torch.Generator().manual_seed(0)
     packed = kernels.pack(torch.randn(n, k, generator=gen).bfloat16(), torch.bfloat16)
+    weights = [packed.clone() for _ in range(max(2, stream_bytes() // (n * k * 2)))]
     times: dict[int, tuple[float, float]] = {}
     previous = kernels.amx_min_rows
     try:
@@ -165,9 +171,11 @@ def amx_times_us(kernels: "CPUKernels") -> dict[int, tuple[float, float]]:
                 for path, crossover in enumerate((1, NEVER)):  # tiles, then vdpbf16ps
                     kernels.set_amx_min_rows(crossover)
                     start = time.perf_counter()
-                    kernels.gemm(packed, x)
+                    for weight in weights:
+                        kernels.gemm(weight, x)
                     best[path] = min(best[path], time.perf_counter() - start)
-            times[m] = (round(best[0] * 1e6, 1), round(best[1] * 1e6, 1))
+            times[m] = (round(best[0] / len(weights) * 1e6, 1),
+                        round(best[1] / len(weights) * 1e6, 1))
     finally:
         kernels.set_amx_min_rows(previous)
     return times

@@ -129,6 +129,9 @@ if EMULATED.runs_on(kernel_build.machine(), kernel_build.cpu_flags()):
         monkeypatch.setattr(kernel_tuning, "AMX_SHAPE", (64, 64))
         monkeypatch.setattr(kernel_tuning, "AMX_ROWS", (16, 32, 64))
         monkeypatch.setattr(kernel_tuning, "AMX_REPEATS", 2)
+        monkeypatch.setattr(kernel_tuning, "stream_bytes", lambda: 64 * 64 * 2 * 3)  # 3 copies
+        monkeypatch.setattr(kernel_tuning, "stream_gb_s", lambda kernels: {"nta": 1.0, "t0": 1.0,
+                                                                          "none": 1.0})
         monkeypatch.delenv(kernel_tuning.AMX_ENV, raising=False)
         tiles = _emulated_kernels()  # the library test_cpu_amx builds, tuned afresh here
         kernel_tuning._cache_file(tiles).unlink(missing_ok=True)
