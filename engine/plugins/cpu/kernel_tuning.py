@@ -16,9 +16,10 @@ whose NTA fills bypass the L2 (and so its streamer), a thread's stream is bounde
 line fill buffers (a Sapphire Rapids VM read a decode step's weights at ~12 of its ~28
 GB/s, with the same time on its AVX512-BF16 and AMX levels), while the same hint streams
 at memory speed on Zen 3. On a quiet Zen 4 the bf16 kernel streamed at 33 GB/s with
-``nta`` and 40 GB/s with ``none``. So :func:`stream_gb_s` times the level's own decode GEMM (one
-row, the activation dtype ``--dtype auto`` uses there) over weights several times the L3,
-every mode in turn, and ``nta`` stays unless another mode is faster by ``MIN_GAIN``.
+``nta`` and 40 GB/s with ``none``. So :func:`stream_gb_s` times the level's own decode
+GEMM (one row, the activation dtype ``--dtype auto`` uses there) over weights several
+times the L3, every mode in turn, and ``nta`` stays unless another mode is faster by
+``MIN_GAIN``.
 
 **AMX crossover.** Tiles pay from some number of rows of activations: below it the
 vdpbf16ps register blocks win (a tile step has a fixed cost and pads short row blocks to
@@ -28,8 +29,8 @@ measured; the library's built-in 32 applies until then.
 
 The result is cached beside the library (keyed by the library, which hashes sources and
 flags, and by the CPU model), so only the first load on a machine pays its ~0.1-0.3 s
-(~1 s more with AMX).
-``ENGINE_CPU_STREAM_PREFETCH=nta|t0|none`` and ``ENGINE_CPU_AMX_MIN_ROWS=N`` fix either.
+(~1 s more with AMX). ``ENGINE_CPU_STREAM_PREFETCH=nta|t0|none`` and
+``ENGINE_CPU_AMX_MIN_ROWS=N`` fix either.
 """
 
 from __future__ import annotations
