@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.plugins.cpu.native import CPUKernels
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class KernelTuning:
 
     stream_prefetch: str
     amx_min_rows: int | None  # None: the library has no AMX tiles
-    reason: str  # "timed", "cached", or the environment variable(s) that fixed it
+    reason: str  # "timed", "cached", "environment" or why it was not timed
     cpu_model: str = ""
     stream_gb_s: dict[str, float] | None = None  # mode -> GB/s
     amx_us: dict[int, tuple[float, float]] | None = None  # rows -> (tiles, vector) us
@@ -112,17 +114,32 @@ def stream_bytes() -> int:
     return max(16 << 20, min(wanted, available // 8))
 
 
+def cold_copies(weight: "torch.Tensor") -> list["torch.Tensor"]:
+    """Copies of a packed weight that together exceed the L3 (:func:`stream_bytes`): a
+    pass over them reads each one from memory, as a model's linears are read."""
+    count = max(2, stream_bytes() // (weight.numel() * weight.element_size()))
+    return [weight.clone() for _ in range(count)]
+
+
+def pass_seconds(kernels: "CPUKernels", weights: list["torch.Tensor"],
+                 x: "torch.Tensor") -> float:
+    """Seconds of one GEMM of ``x`` by every weight in turn."""
+    start = time.perf_counter()
+    for weight in weights:
+        kernels.gemm(weight, x)
+    return time.perf_counter() - start
+
+
 def stream_gb_s(kernels: "CPUKernels", modes: tuple[str, ...] = MODES,
                 rounds: int = ROUNDS) -> dict[str, float]:
-    """GB/s of the level's decode GEMM (one row of activations) over weights of several
-    times the L3 in total, so each call reads its weight from memory, in each mode."""
+    """GB/s of the level's decode GEMM (one row of activations) over :func:`cold_copies`
+    of a weight, in each mode (the best of ``rounds`` interleaved passes)."""
     import torch
 
     n, k = STREAM_SHAPE
-    count = max(2, stream_bytes() // (n * k * 2))
     act = torch.bfloat16 if kernels.has_bf16_dot else torch.float32
     # Packed weights are only streamed here: any finite bf16 values time the same.
-    weights = [torch.full((n * k,), 0.01, dtype=torch.bfloat16) for _ in range(count)]
+    weights = cold_copies(torch.full((n * k,), 0.01, dtype=torch.bfloat16))
     x = torch.full((1, k), 0.5, dtype=act)
     best = dict.fromkeys(modes, float("inf"))
     previous = kernels.stream_prefetch
@@ -131,13 +148,10 @@ def stream_gb_s(kernels: "CPUKernels", modes: tuple[str, ...] = MODES,
             for mode in modes:
                 kernels.set_stream_prefetch(mode)
                 kernels.gemm(weights[-1], x)  # warm the code path
-                start = time.perf_counter()
-                for w in weights:
-                    kernels.gemm(w, x)
-                best[mode] = min(best[mode], time.perf_counter() - start)
+                best[mode] = min(best[mode], pass_seconds(kernels, weights, x))
     finally:
         kernels.set_stream_prefetch(previous)
-    nbytes = count * n * k * 2
+    nbytes = len(weights) * n * k * 2
     return {mode: round(nbytes / seconds / 1e9, 2) for mode, seconds in best.items()}
 
 
@@ -151,30 +165,25 @@ def pick_stream_prefetch(gb_s: dict[str, float]) -> str:
 def amx_times_us(kernels: "CPUKernels") -> dict[int, tuple[float, float]]:
     """Microseconds per ``AMX_SHAPE`` weight of the bf16 GEMM through the tiles and
     through vdpbf16ps, at each row count of ``AMX_ROWS`` (the best of ``AMX_REPEATS``
-    passes). A pass multiplies a row block by copies of the weight that together exceed
-    the L3, so each call reads its weight from memory, as a model's linears do at every
-    batch size: a crossover timed on a cached weight would favour the tiles at the small
-    row counts where a step is bound by streaming its weights."""
+    passes over :func:`cold_copies`): weights come from memory at every batch size, and a
+    crossover timed on a cached weight would favour the tiles at the small row counts
+    where a step is bound by streaming its weights."""
     import torch
 
-    rows, repeats = AMX_ROWS, AMX_REPEATS
     n, k = AMX_SHAPE
     gen = torch.Generator().manual_seed(0)
-    packed = kernels.pack(torch.randn(n, k, generator=gen).bfloat16(), torch.bfloat16)
-    weights = [packed.clone() for _ in range(max(2, stream_bytes() // (n * k * 2)))]
+    weights = cold_copies(kernels.pack(torch.randn(n, k, generator=gen).bfloat16(),
+                                       torch.bfloat16))
     times: dict[int, tuple[float, float]] = {}
     previous = kernels.amx_min_rows
     try:
-        for m in rows:
+        for m in AMX_ROWS:
             x = torch.randn(m, k, generator=gen).bfloat16()
             best = [float("inf"), float("inf")]
-            for _ in range(repeats):
+            for _ in range(AMX_REPEATS):
                 for path, crossover in enumerate((1, NEVER)):  # tiles, then vdpbf16ps
                     kernels.set_amx_min_rows(crossover)
-                    start = time.perf_counter()
-                    for weight in weights:
-                        kernels.gemm(weight, x)
-                    best[path] = min(best[path], time.perf_counter() - start)
+                    best[path] = min(best[path], pass_seconds(kernels, weights, x))
             times[m] = (round(best[0] / len(weights) * 1e6, 1),
                         round(best[1] / len(weights) * 1e6, 1))
     finally:
@@ -265,8 +274,7 @@ def tune_kernels(kernels: "CPUKernels") -> KernelTuning:
         fixed.pop("amx_min_rows", None)
     if "stream_prefetch" in fixed and ("amx_min_rows" in fixed or not kernels.has_amx):
         tuning = KernelTuning(fixed["stream_prefetch"], fixed.get("amx_min_rows"),
-                              "+".join(sorted({STREAM_ENV, AMX_ENV} if kernels.has_amx
-                                              else {STREAM_ENV})), cpu_model)
+                              "environment", cpu_model)
     else:
         file = _cache_file(kernels)
         tuning = _read_cache(file, cpu_model)

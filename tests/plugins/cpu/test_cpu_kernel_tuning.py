@@ -93,7 +93,7 @@ def test_the_environment_fixes_the_mode(tmp_path, monkeypatch, engine_kernels):
     monkeypatch.setenv(kernel_tuning.STREAM_ENV, "none")
     loaded = native._load_level.__wrapped__(engine_kernels.level)
     assert loaded.stream_prefetch == "none"
-    assert kernel_tuning.STREAM_ENV in loaded.tuning.reason or loaded.has_amx
+    assert loaded.tuning.reason == ("timed" if loaded.has_amx else "environment")
     monkeypatch.setenv(kernel_tuning.STREAM_ENV, "sideways")
     with pytest.raises(ValueError, match=kernel_tuning.STREAM_ENV):
         native._load_level.__wrapped__(engine_kernels.level)
@@ -112,9 +112,15 @@ def test_the_amx_crossover_is_where_the_tiles_win_from_then_on():
     assert kernel_tuning.amx_crossover({32: (5.0, 4.0), 64: (9.0, 8.0)}) == kernel_tuning.NEVER
 
 
-def test_a_library_without_tiles_refuses_a_crossover(kernels):
-    if kernels.has_amx:
-        pytest.skip("this level has usable tiles")  # covered by the AMX test below
+def test_only_a_library_with_tiles_takes_a_crossover(kernels):
+    if kernels.has_amx:  # the amx level on an AMX CPU: the setter moves the crossover
+        previous = kernels.amx_min_rows
+        try:
+            kernels.set_amx_min_rows(16)
+            assert kernels.amx_min_rows == 16
+        finally:
+            kernels.set_amx_min_rows(previous)
+        return
     assert kernels.amx_min_rows is None
     with pytest.raises(ValueError, match="no usable tiles"):
         kernels.set_amx_min_rows(16)

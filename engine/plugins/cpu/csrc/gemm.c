@@ -21,10 +21,9 @@
  * Two schedules:
  * - M <= GEMM_ROWS (decode): one register block covers every row, so each panel is
  *   read exactly once, widened on the fly and prefetched as a once-read stream
- *   (stream_prefetch: by default with the non-temporal hint, so a decode step's sweep
- *   over weights larger than the caches keeps the rest of the step's working set). Work items are panels. With one or two rows a second set
- *   of accumulators takes the odd k, so enough multiply-adds are in flight to stream at
- *   memory speed.
+ *   (stream_prefetch, in the mode timed fastest on the machine). Work items are panels.
+ *   With one or two rows a second set of accumulators takes the odd k, so enough
+ *   multiply-adds are in flight to stream at memory speed.
  * - larger M (prefill): work items are (panel, chunk of GEMM_CHUNK rows). K is cut into
  *   blocks of GEMM_KC; a block of the panel is widened to float32 once into a buffer
  *   that stays in L1 while every register block of the chunk's rows runs over it, and
