@@ -1,7 +1,7 @@
 """engine: a hardware-agnostic LLM inference and serving engine.
 
 Public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
-``EngineArgs``. Heavy modules (torch, the model executor) load on first use, so
+``EngineArgs``, and for pooling models ``PoolingParams`` with the pooling outputs. Heavy modules (torch, the model executor) load on first use, so
 ``import engine`` and the CLI start fast.
 """
 
@@ -19,13 +19,26 @@ _LAZY = {
     "RequestOutput": "engine.core.outputs",
     "CompletionOutput": "engine.core.outputs",
     "EngineArgs": "engine.core.engine_args",
+    "PoolingParams": "engine.core.pooling_params",
+    "PoolingRequestOutput": "engine.core.outputs",
+    "EmbeddingRequestOutput": "engine.core.outputs",
+    "ClassificationRequestOutput": "engine.core.outputs",
+    "ScoringRequestOutput": "engine.core.outputs",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from engine.core.engine_args import EngineArgs
-    from engine.core.outputs import CompletionOutput, RequestOutput
+    from engine.core.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from engine.core.pooling_params import PoolingParams
     from engine.core.sampling_params import RequestOutputKind, SamplingParams
     from engine.entrypoints.llm import LLM
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.core.pooling_config import PoolerConfig
+
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
 DEFAULT_CPU_KVCACHE_GIB = 4.0
@@ -44,6 +46,14 @@ class ModelConfig(BaseModel):
     enforce_eager: bool = False
     # vLLM's --quantization: None follows the checkpoint (engine.quantization).
     quantization: str | None = None
+    # vLLM's --hf-overrides: keys set on the HF config before the architecture resolves
+    # (e.g. Qwen3-Reranker's {"architectures": ["Qwen3ForSequenceClassification"],
+    # "classifier_from_token": ["no", "yes"]}).
+    hf_overrides: dict[str, Any] | None = None
+    # "generate" or "pooling" (embed / classify / score / reward; see
+    # engine.core.pooling_config), resolved from --runner / --convert.
+    runner: Literal["generate", "pooling"] = "generate"
+    pooler_config: PoolerConfig | None = None  # set exactly when runner == "pooling"
 
     @property
     def tokenizer_path(self) -> str:

@@ -89,6 +89,12 @@ class EngineArgs:
     # vLLM's --kv-transfer-config: a dict or its JSON text ({"kv_connector": ...,
     # "kv_role": ..., "kv_connector_extra_config": {...}}).
     kv_transfer_config: dict[str, Any] | str | None = None
+    # vLLM's --runner (auto | generate | pooling) and --convert (auto | embed | classify |
+    # reward): serve an embedder / classifier (engine.core.pooling_config).
+    runner: str = "auto"
+    convert: str = "auto"
+    # vLLM's --hf-overrides: a dict or its JSON text, set on the HF config.
+    hf_overrides: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -115,13 +121,25 @@ class EngineArgs:
         )
 
         path, served_name = self.resolved_model_path()
-        files = load_model_files(path)
+        hf_overrides = _json_dict(self.hf_overrides, "hf_overrides")
+        files = load_model_files(path, hf_overrides=hf_overrides)
         load_sampling_defaults(path, self.generation_config)  # a bad value fails here
         dtype = resolve_dtype(files.hf_config, self.dtype)
         from engine.quantization import resolve_quantization
 
         resolve_quantization(files.hf_config, self.quantization)  # a bad one fails here
-        max_model_len = get_max_model_len(files.hf_config, self.max_model_len)
+        runner, pooler = resolve_runner(self.runner, self.convert, files, hf_overrides)
+        requested_len = self.max_model_len
+        if requested_len is None and pooler is not None and pooler.max_seq_length:
+            # sentence-transformers' max_seq_length, within what the model allows
+            requested_len = min(pooler.max_seq_length,
+                                get_max_model_len(files.hf_config, None))
+        max_model_len = get_max_model_len(files.hf_config, requested_len)
+        chunked_prefill, prefix_caching = self.enable_chunked_prefill, self.enable_prefix_caching
+        if pooler is not None:
+            self._check_pooling_options()
+            # A pooling prompt runs whole in one step and keeps no KV afterwards.
+            chunked_prefill = prefix_caching = False
         speculative = None
         if self.speculative_config is not None:
             from engine.spec_decode.config import resolve_speculative_config
@@ -142,7 +160,9 @@ class EngineArgs:
                                  f"installed: {', '.join(sorted(known))}")
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            budget = 8192 if chunked_prefill else max(8192, max_model_len)
+        elif pooler is not None:
+            budget = max(budget, max_model_len)
         return EngineConfig(
             model=ModelConfig(
                 model=path,
@@ -156,13 +176,16 @@ class EngineArgs:
                 generation_config=self.generation_config,
                 enforce_eager=self.enforce_eager,
                 quantization=self.quantization,
+                hf_overrides=hf_overrides,
+                runner=runner,
+                pooler_config=pooler,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
@@ -170,7 +193,7 @@ class EngineArgs:
                 max_num_batched_tokens=budget,
                 max_model_len=max_model_len,
                 policy=self.scheduling_policy,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel=ParallelConfig(
@@ -188,3 +211,53 @@ class EngineArgs:
             structured_outputs=structured_outputs,
             kv_transfer=kv_transfer,
         )
+
+    def _check_pooling_options(self) -> None:
+        """What a pooling engine cannot do, refused before a model loads."""
+        refused = {
+            "speculative_config": self.speculative_config is not None,
+            "kv_transfer_config": self.kv_transfer_config is not None,
+            "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+        }
+        bad = [name for name, set_ in refused.items() if set_]
+        if bad:
+            raise ValueError(f"--runner pooling cannot be combined with {', '.join(bad)}")
+
+
+def resolve_runner(runner: str, convert: str, files: Any,
+                   hf_overrides: dict[str, Any] | None) -> tuple[str, Any]:
+    """(``generate`` | ``pooling``, the PoolerConfig of a pooling runner or None)."""
+    from engine.core.pooling_config import default_runner, resolve_pooler_config
+
+    if runner not in ("auto", "generate", "pooling"):
+        raise ValueError(f"runner must be auto, generate or pooling, not {runner!r}")
+    if convert not in ("auto", "none", "embed", "classify", "reward"):
+        raise ValueError(f"convert must be auto, none, embed, classify or reward, not {convert!r}")
+    if runner == "auto":
+        runner = "pooling" if convert in ("embed", "classify", "reward") else default_runner(
+            getattr(files.model_cls, "is_pooling_model", False), files.path)
+    if runner == "generate":
+        if getattr(files.model_cls, "is_pooling_model", False):
+            raise ValueError(f"{files.architecture} is a pooling model: it cannot generate "
+                             "(use --runner pooling)")
+        if convert not in ("auto", "none"):
+            raise ValueError(f"--convert {convert} needs --runner pooling")
+        return runner, None
+    return runner, resolve_pooler_config(files.path, files.architecture,
+                                         "auto" if convert == "none" else convert,
+                                         hf_overrides)
+
+
+def _json_dict(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
+    """A dict option given as a dict or as its JSON text (the command line's form)."""
+    if value is None or isinstance(value, dict):
+        return value
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{name} must be a JSON object: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, not {type(parsed).__name__}")
+    return parsed

@@ -82,6 +82,8 @@ class EngineCore:
             priority=request.priority,
             cache_salt=request.cache_salt,
             max_tokens=request.max_tokens,
+            pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids,
         )
         structured = request.sampling_params.structured_outputs
         if structured is not None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.core.scheduler.output import LogprobsLists
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler.output import LogprobsLists, PooledData
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -23,6 +24,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: str | None = None
     max_tokens: int = 16  # resolved against max_model_len by the processor
+    # A pooling request: its resolved params (sampling_params then only fills the
+    # slot: one step, no token sampled) and the prompt's token types (None: zeros).
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -38,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A KV connector's parameters for the client (disaggregated prefill: where the
     # prompt's KV waits), on the request's final output.
     kv_transfer_params: dict | None = None
+    pooling_output: PooledData | None = None  # a pooling request's result (final output)
 
     @property
     def finished(self) -> bool:

@@ -63,7 +63,7 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
     """Tokenizer-side setup shared by the sync and async front ends."""
     from engine.model_executor.model_loader import load_model_files
 
-    files = load_model_files(config.model.model)
+    files = load_model_files(config.model.model, hf_overrides=config.model.hf_overrides)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     eos_id, extra_eos = get_eos_token_ids(tokenizer, list(files.eos_token_ids) or None)
     processor = Processor(
@@ -73,6 +73,12 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
         extra_eos_token_ids=extra_eos,
         vocab_size=files.hf_config.vocab_size,
     )
+    if config.model.runner == "pooling":
+        from engine.core.pooling_processor import PoolingModelInfo, PoolingProcessor
+
+        info = PoolingModelInfo.of(config.model.pooler_config, files.hf_config, files.path)
+        processor.pooling = PoolingProcessor(tokenizer, config.scheduler.max_model_len,
+                                             files.hf_config.vocab_size, info)
     return processor, tokenizer
 
 
@@ -111,6 +117,20 @@ class LLMEngine:
             priority=priority,
             add_special_tokens=add_special_tokens,
         )
+        self.output_processor.add_request(processed)
+        for child in processed.child_requests:
+            self.client.add_request(child)
+
+    def add_pooling_request(self, request_id: str, prompt: Any, params: Any, task: str,
+                            *, text_pair: str | None = None, prompt_name: str | None = None,
+                            priority: int = 0) -> None:
+        """A pooling request (``--runner pooling``): see engine.core.pooling_processor."""
+        pooling = self.processor.pooling
+        if pooling is None:
+            raise ValueError(f"{task} needs a pooling model; this engine generates "
+                             "(start it with runner='pooling')")
+        processed = pooling.process(request_id, prompt, params, task, text_pair=text_pair,
+                                    prompt_name=prompt_name, priority=priority)
         self.output_processor.add_request(processed)
         for child in processed.child_requests:
             self.client.add_request(child)

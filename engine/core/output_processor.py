@@ -29,10 +29,17 @@ from transformers import PreTrainedTokenizerBase
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.engine_io import EngineCoreOutput, EngineCoreRequest
 from engine.core.logprobs import chosen_logprob_sum, convert_logprobs
-from engine.core.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from engine.core.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from engine.core.processor import ProcessedRequest
 from engine.core.request import FinishReason
-from engine.core.scheduler.output import LogprobsLists
+from engine.core.scheduler.output import LogprobsLists, PooledData
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.stop_strings import StopStringMatcher
 from engine.core.tokenizer import TokenDecoder
@@ -229,6 +236,9 @@ class _RequestState:
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict | None = None
         self.metrics = RequestMetrics(arrival_time=processed.arrival_time)
+        # A pooling request: its result arrives with its (only) final output.
+        self.is_pooling = processed.pooling_params is not None
+        self.pooled: PooledData | None = None
 
     @property
     def finished(self) -> bool:
@@ -243,6 +253,8 @@ class _RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.kv_transfer_params is not None:
             self.kv_transfer_params = output.kv_transfer_params
+        if output.pooling_output is not None:
+            self.pooled = output.pooling_output
         if output.new_token_ids:
             metrics = self.metrics
             if metrics.first_token_time is None:
@@ -252,10 +264,13 @@ class _RequestState:
             metrics.last_token_time = now
             metrics.num_generation_tokens += len(output.new_token_ids)
 
-    def make_output(self, changed: set[int], now: float) -> RequestOutput | None:
+    def make_output(self, changed: set[int], now: float
+                    ) -> RequestOutput | PoolingRequestOutput | None:
         finished = self.finished
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = now
+        if self.is_pooling:
+            return self._pooling_output() if finished else None
         if self.output_kind == RequestOutputKind.FINAL_ONLY:
             if not finished:
                 return None
@@ -274,6 +289,20 @@ class _RequestState:
             num_cached_tokens=self.num_cached_tokens,
             metrics=dataclasses.replace(self.metrics),
             kv_transfer_params=self.kv_transfer_params if finished else None,
+        )
+
+    def _pooling_output(self) -> PoolingRequestOutput:
+        """The result as a float32 tensor (empty when the request was aborted)."""
+        import numpy as np
+        import torch
+
+        pooled = self.pooled
+        data = torch.empty(0) if pooled is None else torch.from_numpy(
+            np.frombuffer(pooled.data, dtype=np.float32).reshape(pooled.shape).copy())
+        return PoolingRequestOutput(
+            request_id=self.request_id, outputs=PoolingOutput(data),
+            prompt_token_ids=self.prompt_token_ids, finished=True, prompt=self.prompt,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _take_prompt_logprobs(self, delta: bool) -> list[PositionLogprobs | None] | None:

@@ -109,3 +109,81 @@ class RequestOutput:
         self.metrics = later.metrics
         if later.kv_transfer_params is not None:
             self.kv_transfer_params = later.kv_transfer_params
+
+
+# -- pooling ---------------------------------------------------------------------------------
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: a float32 tensor (``[hidden]`` for an embedding,
+    ``[num_labels]`` for a classification, ``[tokens, ...]`` for ALL pooling)."""
+
+    data: "torch.Tensor"  # noqa: F821 (torch is imported by whoever builds it)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What one pooling request produced (vLLM's shape; ``outputs.data`` is the tensor)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # after the activation (softmax / sigmoid) unless it was turned off
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.reshape(-1).tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.reshape(-1).tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.core.chat_template import render_chat_template
 from engine.core.engine_io import EngineCoreRequest
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.structured_output import check_compilable
 
@@ -42,6 +43,8 @@ class ProcessedRequest:
     params: SamplingParams  # resolved copy (max_tokens, stop ids, bad word ids); n as given
     child_requests: list[EngineCoreRequest]
     arrival_time: float
+    # A pooling request's resolved params (engine.core.pooling_processor); None: generate.
+    pooling_params: PoolingParams | None = None
 
     @property
     def child_request_ids(self) -> list[str]:
@@ -68,6 +71,9 @@ class Processor:
                 raise ValueError("vocab_size is required when there is no tokenizer")
             vocab_size = len(tokenizer)
         self.vocab_size = vocab_size
+        # The pooling side (engine.core.pooling_processor.PoolingProcessor) of an engine
+        # run with runner "pooling"; None: the engine generates.
+        self.pooling: Any = None
 
     # -- public ---------------------------------------------------------------------------
     def process(

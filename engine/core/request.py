@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 
 
@@ -68,6 +69,9 @@ class Request:
     # Extra keys folded into every block hash (cache salt, LoRA name, media hashes...).
     cache_salt: str | None = None
     max_tokens: int = 16  # resolved by the processor (max_model_len aware)
+    # Pooling requests: what to pool and the prompt's token types (see EngineCoreRequest).
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

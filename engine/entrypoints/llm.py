@@ -12,6 +12,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler.stats import SpecDecodingStats
+from engine.entrypoints.pooling_api import PoolingAPI
 
 logger = logging.getLogger(__name__)
 
@@ -19,12 +20,14 @@ Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(PoolingAPI):
     """Generate from a model directory (or the embedded demo model) in this process.
 
     Every keyword of :class:`EngineArgs` is accepted, e.g. ``device``, ``dtype``,
     ``max_model_len``, ``enable_prefix_caching``, ``max_num_batched_tokens``,
-    ``max_num_seqs``, ``block_size``, ``cpu_kvcache_space_gib``.
+    ``max_num_seqs``, ``block_size``, ``cpu_kvcache_space_gib``; ``runner="pooling"``
+    (with ``convert``) serves an embedder / classifier through ``embed``, ``classify``,
+    ``score``, ``reward`` and ``encode`` (:mod:`engine.entrypoints.pooling_api`).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -6,7 +6,9 @@ scaled by the layer's ``k_scale`` / ``v_scale`` (index 0 = K, 1 = V); an MLA lay
 block_size, entry_size]``, one latent entry per token. Each layer's ``forward`` writes the
 step's new K/V rows (``reshape_and_cache``) and then runs ``unified_attention`` over the
 cache (MLA layers: ``mla_write_cache`` and ``mla_attention``, in
-:mod:`engine.kernels.mla_attention`); whether long decodes split their keys over several
+:mod:`engine.kernels.mla_attention`; encoder layers, ``spec.causal`` False: no cache at
+all, ``encoder_attention`` over the step's own K/V, in
+:mod:`engine.kernels.encoder_attention`); whether long decodes split their keys over several
 programs (split-KV) is decided once per step in :meth:`TritonAttentionBackend.build_metadata`.
 
 Forcing split-KV (tests, and comparing both paths on a GPU): the constructor argument
@@ -62,11 +64,15 @@ def forced_num_kv_splits_from_env() -> int | None:
 
 @dataclass
 class TritonAttentionMetadata:
-    """Per-step inputs of the kernels, shared by every layer of the step."""
+    """Per-step inputs of the kernels, shared by every layer of the step.
+
+    Encoder layers read only ``query_start_loc`` (their requests' segments, on the device)
+    and ``max_query_len`` (a host int that sizes their tiles), so they launch without a
+    device->host sync."""
 
     num_reqs: int
     num_tokens: int
-    query_start_loc: torch.Tensor  # int32 [R + 1]
+    query_start_loc: torch.Tensor  # int32 [R + 1], on the device
     seq_lens: torch.Tensor  # int32 [R]
     block_tables: torch.Tensor  # int32 [R, M]
     slot_mapping: torch.Tensor  # int64 [T]
@@ -77,13 +83,16 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionImpl(AttentionImpl):
-    """One layer: store this step's K/V, then attend over the paged cache."""
+    """One layer: store this step's K/V, then attend over the paged cache; an encoder
+    layer (``spec.causal`` False) attends over its step's K/V instead and stores nothing."""
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         super().__init__(spec)
+        from engine.kernels.encoder_attention import encoder_attention
         from engine.kernels.reshape_and_cache import reshape_and_cache
         from engine.kernels.unified_attention import unified_attention
 
+        self._encoder_attention = encoder_attention
         self._reshape_and_cache = reshape_and_cache
         self._unified_attention = unified_attention
 
@@ -92,12 +101,15 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
-        """``key``/``value`` None: this layer reuses K/V another layer already stored."""
+        """``key``/``value`` None: this layer reuses K/V another layer already stored.
+        ``kv_cache`` None: an encoder layer's (it has none)."""
         if (key is None) != (value is None):
             raise ValueError("key and value must both be given or both be None")
+        if not self.spec.causal:
+            return self._encoder_forward(query, key, value, metadata)
         if key is not None:
             self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping,
                                     self.k_scale, self.v_scale)
@@ -119,6 +131,30 @@ class TritonAttentionImpl(AttentionImpl):
             workspace=metadata.workspace,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+        )
+
+    def _encoder_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        """Bidirectional attention within each request's tokens of the step: no cache is
+        written or read, so an encoder layer always brings its own K/V."""
+        if key is None:
+            raise ValueError("an encoder (non-causal) layer needs its own key and value; "
+                             "it keeps no KV cache to share")
+        spec = self.spec
+        return self._encoder_attention(
+            query,
+            key,
+            value,
+            metadata.query_start_loc,
+            metadata.max_query_len,
+            spec.scale,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
         )
 
 
@@ -158,7 +194,8 @@ class TritonMLAAttentionImpl(AttentionImpl):
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in portable Triton: any block size, head sizes 16..256, GQA."""
+    """Paged attention in portable Triton: any block size, head sizes 16..256, GQA;
+    encoder (non-causal) layers too, MLA layers causal only."""
 
     name: ClassVar[str] = "triton"
 
@@ -208,6 +245,12 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def supported_head_sizes(cls) -> list[int] | None:
         return list(range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1))
+
+    @classmethod
+    def supports_encoder_attention(cls) -> bool:
+        """Non-causal MHA / GQA layers (engine.kernels.encoder_attention); the base
+        validate refuses non-causal MLA."""
+        return True
 
     @classmethod
     def supported_block_sizes(cls) -> list[int] | None:
@@ -279,5 +322,6 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(reason)
         if spec.is_mla:
             return TritonMLAAttentionImpl(spec)
-        self._num_kv_heads = max(self._num_kv_heads, spec.num_kv_heads)
+        if spec.causal:  # split-KV plans cache reads, which encoder layers never do
+            self._num_kv_heads = max(self._num_kv_heads, spec.num_kv_heads)
         return TritonAttentionImpl(spec)

@@ -162,8 +162,19 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} has no *.safetensors weight files")
 
 
-def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY) -> ModelFiles:
-    """Check a model directory and resolve its architecture to a model class."""
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None:
+    """vLLM's ``--hf-overrides``: set each key on the HF config (before the architecture
+    is resolved, so ``architectures`` may be overridden too)."""
+    for key, value in (overrides or {}).items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"hf_overrides keys must be config attribute names, not {key!r}")
+        setattr(hf_config, key, value)
+
+
+def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
+                     hf_overrides: dict[str, Any] | None = None) -> ModelFiles:
+    """Check a model directory and resolve its architecture to a model class
+    (``hf_overrides`` applied to its config first)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"model directory {path} does not exist")
@@ -173,6 +184,7 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY)
         raise ValueError(f"model directory {path} has no config.json")
     weight_files = _weight_files(path)
     hf_config = load_hf_config(path)
+    apply_hf_overrides(hf_config, hf_overrides)
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
@@ -287,6 +299,8 @@ def load_model(
     activation_dtype: torch.dtype | str | None = None,
     parallel: Any = None,
     fused_moe_kernels: Sequence[type[FusedMoEKernel]] = (),
+    hf_overrides: dict[str, Any] | None = None,
+    pooler_config: Any = None,
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
@@ -298,10 +312,13 @@ def load_model(
     unquantized linear weights they accept, once, for the platform's fastest GEMM;
     ``fused_ops`` replace the layers' norm / activation / rotary op chains. ``parallel``
     (an :class:`engine.distributed.ParallelState`): build and load only this rank's
-    shard (its heads, its part of each matrix, its pipeline stage's layers)."""
+    shard (its heads, its part of each matrix, its pipeline stage's layers).
+    ``pooler_config`` (an :class:`engine.core.pooling_config.PoolerConfig`): build the
+    model for pooling (a generating architecture through its pooling adapter)."""
     from engine.quantization import resolve_quantization
 
-    files = model if isinstance(model, ModelFiles) else load_model_files(model)
+    files = (model if isinstance(model, ModelFiles)
+             else load_model_files(model, hf_overrides=hf_overrides))
     hf_config = files.hf_config
     plan = resolve_quantization(hf_config, quantization)
     dtype = resolve_dtype(hf_config, dtype)
@@ -315,12 +332,19 @@ def load_model(
         weight_dtype=dtype,
         parallel=parallel,
         moe_kernels=list(fused_moe_kernels),
+        pooler_config=pooler_config,
+        model_dir=files.path,
     )
+    model_cls = files.model_cls
+    if pooler_config is not None:
+        from engine.model_executor.models.adapters import pooling_model_class
+
+        model_cls = pooling_model_class(model_cls, files.architecture, pooler_config)
     if parallel is not None and parallel.pp_size > 1 and not getattr(
             files.model_cls, "supports_pipeline_parallel", False):
         raise ValueError(f"{files.architecture} does not support pipeline parallelism")
     with torch.no_grad():
-        net = files.model_cls(hf_config, ctx)
+        net = model_cls(hf_config, ctx)
         net.load_weights(safetensors_weights_iterator(files.weight_files, lazy=True))
         quantized = finish_quantized_layers(net, plan, list(quantized_gemm_kernels))
         for module in net.modules():  # derived weights (MLA's absorbed projections)
@@ -334,7 +358,7 @@ def load_model(
         "loaded %s (%s) from %s: %s weights, %s activations; %d linear weights repacked "
         "for the platform GEMM%s",
         files.architecture,
-        files.model_cls.__name__,
+        model_cls.__name__,
         files.path,
         _dtype_name(dtype),
         _dtype_name(compute),

@@ -67,6 +67,8 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
         activation_dtype=activation,
         parallel=parallel,
         fused_moe_kernels=platform.fused_moe_kernels(),
+        hf_overrides=config.model.hf_overrides,
+        pooler_config=config.model.pooler_config,
     )
     return model, attn_backend
 
@@ -131,7 +133,11 @@ class Worker:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        return self.platform.kv_cache_bytes(cache, self.weights_bytes) // self.kv_block_bytes()
+        block_bytes = self.kv_block_bytes()
+        if block_bytes == 0:  # an encoder keeps no KV: blocks only count its tokens
+            sched = self.config.scheduler
+            return -(-sched.max_model_len // cache.block_size) * sched.max_num_seqs + 1
+        return self.platform.kv_cache_bytes(cache, self.weights_bytes) // block_bytes
 
     def initialize_cache(self, num_blocks: int) -> None:
         config = self.config
@@ -146,7 +152,12 @@ class Worker:
             from engine.kv_transfer.factory import make_connector
 
             self.kv_connector = make_connector(config, KVConnectorRole.WORKER)
-        self.runner = ModelRunner(
+        runner_cls = ModelRunner
+        if config.model.runner == "pooling":
+            from engine.model_executor.pooling_runner import PoolingModelRunner
+
+            runner_cls = PoolingModelRunner
+        self.runner = runner_cls(
             self.model,
             self.attn_backend,
             self.platform,

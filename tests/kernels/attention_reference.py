@@ -1,7 +1,9 @@
-"""Independent float64 references and input builders for the paged-attention tests."""
+"""Independent float64 references and input builders for the attention tests (paged causal
+attention and encoder, i.e. non-causal, attention)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -113,3 +115,65 @@ def reference_attention(
         scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append(torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), v))
     return torch.cat(outs)
+
+
+@dataclass
+class EncoderBatch:
+    """A step of encoder (non-causal) requests: this step's q/K/V rows and no cache."""
+
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+
+    @property
+    def max_query_len(self) -> int:
+        return int((self.query_start_loc[1:] - self.query_start_loc[:-1]).max())
+
+
+def make_encoder_batch(
+    lengths: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> EncoderBatch:
+    """Random q/K/V for requests of ``lengths`` tokens, concatenated in request order."""
+    total = sum(lengths)
+
+    def rows(heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, head_size, generator=generator).to(dtype)
+
+    query_start_loc = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return EncoderBatch(rows(num_heads), rows(num_kv_heads), rows(num_kv_heads), query_start_loc)
+
+
+def reference_encoder_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """float64 bidirectional attention within each request's rows (``query_start_loc``
+    segments); a window ``w`` keeps keys with ``|q_pos - k_pos| <= w // 2``."""
+    outs = []
+    bounds = [int(x) for x in query_start_loc]
+    group = q.shape[1] // k.shape[1]
+    for start, end in itertools.pairwise(bounds):
+        qr = q[start:end].double()
+        kr = k[start:end].double().repeat_interleave(group, dim=1)
+        vr = v[start:end].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", qr, kr) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        if sliding_window is not None:
+            pos = torch.arange(end - start)
+            near = (pos[:, None] - pos[None, :]).abs() <= sliding_window // 2
+            scores = scores.masked_fill(~near, float("-inf"))
+        outs.append(torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), vr))
+    return torch.cat(outs) if outs else q.new_empty(q.shape, dtype=torch.float64)

@@ -136,6 +136,12 @@ class AttentionLayerSpec:
     # What the cache stores: "auto" (the model dtype), "fp8_e4m3" or "fp8_e5m2" (see the
     # module docstring; the backend's kv_cache_dtype when the layer was made).
     kv_cache_dtype: str = "auto"
+    # False: an encoder layer (BERT-style embedders and classifiers). Each request's
+    # new tokens attend to each other in both directions, nothing is read from or
+    # written to a cache (the layer gets ``kv_cache=None``), and a ``sliding_window``
+    # ``w`` keeps the keys within ``w // 2`` positions on either side (ModernBERT's
+    # ``local_attention``).
+    causal: bool = True
 
     @property
     def is_mla(self) -> bool:
@@ -165,6 +171,10 @@ class AttentionImpl(ABC):
         metadata: Any,  # what the backend's build_metadata returned this step
     ) -> "torch.Tensor":  # [T, num_heads, head_size]
         """Store key/value at ``slot_mapping`` and return causal attention output.
+
+        Encoder layers (``spec.causal`` False): ``kv_cache`` is None; attend within each
+        request's tokens of this step (``query_start_loc`` segments) in both directions,
+        windowed as the spec's docstring says; nothing is stored.
 
         MLA layers: ``key`` is the new tokens' latent entries ``[T, 1, head_size]``,
         ``value`` is None, and the output is ``[T, num_heads, kv_lora_rank]``."""
@@ -235,6 +245,11 @@ class AttentionBackend(ABC):
         return True
 
     @classmethod
+    def supports_encoder_attention(cls) -> bool:
+        """Whether the kernels run non-causal encoder layers (``spec.causal`` False)."""
+        return False
+
+    @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
         """Why this backend cannot serve ``spec`` (None when it can)."""
         if spec.is_mla:
@@ -255,6 +270,8 @@ class AttentionBackend(ABC):
             return f"{cls.name} supports block sizes {blocks}, not {block_size}"
         if spec.sliding_window is not None and not cls.supports_sliding_window():
             return f"{cls.name} does not support sliding-window attention"
+        if not spec.causal and (spec.is_mla or not cls.supports_encoder_attention()):
+            return f"{cls.name} has no non-causal (encoder) attention"
         return None
 
     def allocate_kv_cache(

@@ -11,7 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
+
+
+class PooledData(msgspec.Struct, array_like=True, gc=False):
+    """One pooling request's result on the wire: float32 values in C order (the model
+    runner packs them, the output processor unpacks them)."""
+
+    data: bytes
+    shape: list[int]
 
 
 @dataclass
@@ -24,6 +35,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None  # the sampler masks it while output < min_tokens
+    # A pooling request (runner "pooling"): what to pool, and the token type of every
+    # prompt token (BERT pair encodings; None: all zeros).
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -100,6 +115,8 @@ class ModelRunnerOutput:
     expert_load: list[int] | None = None
     # KV connector: what the worker side finished or failed since the previous step.
     kv_connector_output: KVConnectorOutput | None = None
+    # Pooling runner: the result of every request whose prompt completed this step.
+    pooler_output: dict[str, PooledData] = field(default_factory=dict)
 
 
 @dataclass

@@ -49,6 +49,7 @@ from engine.core.scheduler.output import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    PooledData,
     SchedulerOutput,
 )
 from engine.core.scheduler.policy import SchedulingPolicy
@@ -461,6 +462,8 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
+                pooling_params=r.pooling_params,
+                token_type_ids=r.token_type_ids,
             )
             for r in step.new_reqs
         ]
@@ -530,6 +533,12 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING or rid not in scheduled:
                 continue  # finished or aborted since schedule()
+            if request.pooling_params is not None:
+                pooled = model_runner_output.pooler_output.get(rid)
+                if pooled is not None:  # its prompt is done: the result is the output
+                    outputs.append(self._finish_pooled(request, pooled))
+                    finished.append(request)
+                continue
             sampled = model_runner_output.sampled_token_ids[i]
             drafts = spec.get(rid)
             if drafts:
@@ -571,6 +580,18 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: PooledData) -> EngineCoreOutput:
+        """A pooling request ends with its prompt: no token is sampled, its blocks go."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.hold_blocks = False
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=int(FinishReason.STOP),
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            pooling_output=pooled,
+        )
 
     def _add_expert_load(self, load: list[int] | None) -> None:
         if not load:

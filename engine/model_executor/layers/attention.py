@@ -36,6 +36,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         cache_index: int | None = None,
         kv_lora_rank: int | None = None,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -60,6 +61,7 @@ class Attention(nn.Module):
             logits_soft_cap=logits_soft_cap,
             kv_lora_rank=kv_lora_rank,
             kv_cache_dtype=getattr(attn_backend, "kv_cache_dtype", "auto"),
+            causal=causal,
         )
         why = attn_backend.validate(self.spec, attn_backend.block_size)
         if why is not None:
@@ -108,7 +110,8 @@ class Attention(nn.Module):
         connector = ctx.kv_connector
         if connector is not None:
             connector.wait_for_layer_load(self.cache_index)
-        cache = ctx.kv_caches[self.cache_index]
+        # An encoder layer keeps no cache (the model reports no KV layers for it).
+        cache = ctx.kv_caches[self.cache_index] if self.spec.causal else None
         if self.spec.is_mla:
             out = self.impl.forward(
                 q.view(num_tokens, self.num_heads, self.head_size),

@@ -56,6 +56,10 @@ class ModelInitContext:
     parallel: Any = None  # engine.distributed.ParallelState; None: one rank
     weight_dtype: torch.dtype | None = None
     moe_kernels: list = field(default_factory=list)  # the platform's FusedMoEKernel classes
+    # engine.core.pooling_config.PoolerConfig when the model is run for pooling (its
+    # class builds ``self.pooler`` from it); None: a generating model.
+    pooler_config: Any = None
+    model_dir: Any = None  # the checkpoint directory (sentence-transformers modules)
 
     @property
     def expert_parallel(self) -> bool:

@@ -69,6 +69,7 @@ from engine.core.interfaces import (
     AttentionLayerSpec,
 )
 from engine.core.interfaces.attention import dequantize_kv, is_fp8_kv_cache, quantize_kv
+from engine.plugins.cpu.encoder_attention import encoder_attention
 from engine.plugins.cpu.mla_attention import CPUMLAAttentionImpl, MLAPlan
 from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
@@ -161,6 +162,7 @@ class CPUAttentionMetadata:
     query_lens: np.ndarray | None = None  # [R]
     seq_lens: np.ndarray | None = None  # int64 [R]
     block_tables: torch.Tensor | None = None  # int64 [R, M]
+    query_start_loc: np.ndarray | None = None  # int64 [R + 1] (encoder layers' segments)
     _token_queries: _TokenQueries | None = None
     mla_plan: MLAPlan | None = None  # built by the step's first MLA layer (mla_attention)
     _write_index: _WriteIndex | None = None
@@ -295,6 +297,10 @@ class CPUAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
     ) -> torch.Tensor:
+        if not self.spec.causal:
+            spec = self.spec
+            return encoder_attention(query, key, value, metadata.query_start_loc, spec.scale,
+                                     spec.sliding_window, spec.logits_soft_cap)
         key_cache, value_cache = self._cache_views(kv_cache, metadata.block_size)
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
@@ -467,6 +473,10 @@ class CPUAttentionBackend(AttentionBackend):
         return (num_blocks, block_size, entry_size)
 
     @classmethod
+    def supports_encoder_attention(cls) -> bool:
+        return True
+
+    @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
         if spec.is_mla and (spec.sliding_window or spec.logits_soft_cap):
             return f"{cls.name} MLA attention has no sliding window or logits soft cap"
@@ -552,6 +562,7 @@ class CPUAttentionBackend(AttentionBackend):
             query_lens=None if decode_rows is None else query_lens,
             seq_lens=None if decode_rows is None else seq_lens,
             block_tables=None if decode_rows is None else block_tables,
+            query_start_loc=qsl,
         )
 
     def build_graph_metadata(self, batch: AttentionBatch) -> CPUAttentionMetadata:
