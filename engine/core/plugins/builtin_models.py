@@ -26,6 +26,32 @@ BUILTINS = {
     "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    # Decoders that only pool (engine.model_executor.models.adapters).
+    "LlamaModel": "engine.model_executor.models.adapters:LlamaModel",
+    "Qwen2Model": "engine.model_executor.models.adapters:Qwen2Model",
+    "Qwen3Model": "engine.model_executor.models.adapters:Qwen3Model",
+    "LlamaForSequenceClassification":
+        "engine.model_executor.models.adapters:LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification":
+        "engine.model_executor.models.adapters:Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification":
+        "engine.model_executor.models.adapters:Qwen3ForSequenceClassification",
+    # Encoders for pooling (engine.model_executor.models.bert / modernbert / nomic_bert).
+    "BertModel": "engine.model_executor.models.bert:BertModel",
+    "BertForSequenceClassification":
+        "engine.model_executor.models.bert:BertForSequenceClassification",
+    "RobertaModel": "engine.model_executor.models.bert:RobertaModel",
+    "RobertaForSequenceClassification":
+        "engine.model_executor.models.bert:RobertaForSequenceClassification",
+    "XLMRobertaModel": "engine.model_executor.models.bert:XLMRobertaModel",
+    "XLMRobertaForSequenceClassification":
+        "engine.model_executor.models.bert:XLMRobertaForSequenceClassification",
+    "ModernBertModel": "engine.model_executor.models.modernbert:ModernBertModel",
+    "ModernBertForSequenceClassification":
+        "engine.model_executor.models.modernbert:ModernBertForSequenceClassification",
+    "NomicBertModel": "engine.model_executor.models.nomic_bert:NomicBertModel",
+    "NomicBertForSequenceClassification":
+        "engine.model_executor.models.nomic_bert:NomicBertForSequenceClassification",
 }
 
 
