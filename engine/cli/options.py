@@ -127,6 +127,19 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                       "\"disable_any_whitespace\": true}'; keys: backend (auto, xgrammar, "
                       "llguidance), disable_any_whitespace, disable_fallback, strict (refuse "
                       "JSON schemas that cannot be enforced in full)."),
+    click.option("--runner", type=click.Choice(["auto", "generate", "pooling"]), default="auto",
+                 show_default=True,
+                 help="generate, or pooling (embeddings, classification, scoring, reward: "
+                      "/v1/embeddings, /classify, /score, /rerank, /pooling); auto: pooling "
+                      "for encoders, sequence classifiers and sentence-transformers models."),
+    click.option("--convert", type=click.Choice(["auto", "none", "embed", "classify", "reward"]),
+                 default="auto", show_default=True,
+                 help="What a pooling runner computes; auto: from the architecture "
+                      "(*ForSequenceClassification: classify, else embed)."),
+    click.option("--hf-overrides", "hf_overrides", default=None, metavar="JSON",
+                 help="Keys set on the model's HF config, as a JSON object (vLLM's), e.g. "
+                      "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                      "\"classifier_from_token\": [\"no\", \"yes\"]}' for Qwen3-Reranker."),
 ]
 
 ENGINE_OPTION_NAMES = (
@@ -136,7 +149,7 @@ ENGINE_OPTION_NAMES = (
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
-    "kv_transfer_config",
+    "kv_transfer_config", "runner", "convert", "hf_overrides",
 )
 
 

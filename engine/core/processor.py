@@ -93,6 +93,9 @@ class Processor:
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.pooling is not None:
+            raise ValueError("this engine runs a pooling model (runner 'pooling'): it cannot "
+                             "generate; use embed, classify, score, reward or encode")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

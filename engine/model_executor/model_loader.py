@@ -45,6 +45,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Config keys that bound the context length, as vLLM reads them.
+_PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
 _MAX_LEN_KEYS = (
     "max_position_embeddings",
     "n_positions",
@@ -240,6 +241,12 @@ def derived_max_model_len(hf_config: Any) -> tuple[int, str]:
     ]
     if not found:
         return DEFAULT_MAX_MODEL_LEN, "default"
+    if getattr(hf_config, "model_type", None) in _PADDING_OFFSET_POSITIONS:
+        # RoBERTa-style positions start after the padding index: the table's first
+        # pad_token_id + 1 rows are never a token's position.
+        offset = int(getattr(hf_config, "pad_token_id", 1) or 0) + 1
+        found = [(n - offset, k) if k == "max_position_embeddings" else (n, k)
+                 for n, k in found]
     length, key = min(found)
     if key == "max_position_embeddings":
         try:

@@ -85,7 +85,9 @@ class _DecoderPooling(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         score = getattr(self, "score", None)
         keeps_head = isinstance(self.lm_head, LMHead)
-        score_tensors: dict[str, torch.Tensor] = {}
+        from_tokens = score is not None and bool(self._from_tokens)
+        if from_tokens:
+            score.weight.optional_weight = True  # made from the LM head's rows below
 
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -93,22 +95,19 @@ class _DecoderPooling(LlamaForCausalLM):
                     name = "model." + name  # a bare *Model checkpoint
                 if name.startswith("lm_head.") and not keeps_head:
                     continue
-                if name.startswith("score."):
-                    if score is None or self._from_tokens:
-                        continue  # an embedder of a classifier checkpoint: no head
-                    score_tensors[name] = tensor
-                    continue
+                if name.startswith("score.") and (score is None or from_tokens):
+                    continue  # an embedder of a classifier checkpoint: no head
                 yield name, tensor
 
-        loaded = super().load_weights(renamed())
-        if score is not None and self._from_tokens:
+        try:
+            loaded = super().load_weights(renamed())
+        except ValueError as exc:
+            if score is not None and "score.weight" in str(exc):
+                raise ValueError(f"{exc} (the classification head; a causal LM scores "
+                                 "through hf_overrides classifier_from_token)") from exc
+            raise
+        if from_tokens:
             self._score_from_lm_head(score)
-            loaded.add("score.weight")
-        elif score is not None:
-            if "score.weight" not in score_tensors:
-                raise ValueError("checkpoint lacks score.weight, the classification head "
-                                 "(a causal LM needs hf_overrides classifier_from_token)")
-            score.weight.weight_loader(score.weight, score_tensors["score.weight"])
             loaded.add("score.weight")
         return loaded
 
