@@ -6,7 +6,8 @@ server's process; the engine core steps in its own process behind an
 ``EngineCoreOutputs``, turns them into ``RequestOutput``s, forwards stop-string aborts to
 the core, and hands every output to its request's :class:`RequestOutputCollector`, which
 ``generate`` drains. A consumer that stops iterating (or whose task is cancelled: a client
-disconnect) aborts its request in the core, freeing its KV blocks.
+disconnect) aborts its request in the core, freeing its KV blocks. ``encode`` does the
+same for one pooling request (``--runner pooling``): one final output, no stream.
 
 If the core dies, every in-flight ``generate`` raises :class:`EngineDeadError` and new
 requests fail at once, until ``restart_core`` starts a fresh core (the server's
@@ -30,9 +31,10 @@ from engine.core.llm_engine import build_processor
 from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
 from engine.core.output_collector import RequestOutputCollector
 from engine.core.output_processor import OutputProcessor
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import PoolingRequestOutput, RequestOutput
+from engine.core.pooling_params import PoolingParams
 from engine.core.processor import PromptType
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,45 @@ class AsyncLLM:
                 output = collector.get_nowait() or await collector.get()
                 finished = output.finished
                 yield output
+        finally:
+            if not finished:
+                self._abort_nowait([request_id])
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        *,
+        task: str,
+        text_pair: str | None = None,
+        prompt_name: str | None = None,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """Run one pooling request (``task``: embed, classify, score, reward, encode; a
+        ``text_pair`` makes it a cross-encoder pair) to its single output.
+
+        Raises ValueError for bad input or on a generating engine, EngineDeadError if the
+        core dies. Cancelling the awaiting task aborts the request in the core. A request
+        aborted by ``abort`` returns an output whose ``outputs.data`` is empty.
+        """
+        pooling = self.processor.pooling
+        if pooling is None:
+            raise ValueError(f"{task} needs a pooling model; this engine generates text "
+                             "(start it with --runner pooling)")
+        self._ensure_output_handler()
+        processed = pooling.process(request_id, prompt, pooling_params, task,
+                                    text_pair=text_pair, prompt_name=prompt_name,
+                                    priority=priority)
+        collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
+        self.output_processor.add_request(processed, queue=collector)
+        finished = False
+        try:
+            for child in processed.child_requests:
+                await self.client.add_request(child)
+            output = collector.get_nowait() or await collector.get()
+            finished = True
+            return output  # type: ignore[return-value]  # a pooling request's output
         finally:
             if not finished:
                 self._abort_nowait([request_id])

@@ -8,6 +8,10 @@ and validation failures are 400s naming the field, an oversized body is a 413, a
 model a 404, a dead engine a 503, and anything unexpected a logged 500. /openapi.json
 documents every route's request body and responses (``openapi``).
 
+An engine started with ``--runner pooling`` serves the pooling routes (``pooling_routes``:
+/v1/embeddings, /pooling, /classify, /score, /rerank) and answers the completion routes
+with a 400; a generating engine answers the pooling routes with a 400.
+
 Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections, in-flight requests may
 finish for ``timeout_graceful_shutdown`` seconds, then they are aborted in the engine (so
 each response still ends properly, with finish_reason "abort"); the lifespan exit then
@@ -68,6 +72,7 @@ from engine.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from engine.entrypoints.openai.pooling_routes import POOLING_REQUEST_MODELS, add_pooling_routes
 from engine.entrypoints.openai.request_body import (  # noqa: F401 - re-exported
     DEFAULT_MAX_JSON_DEPTH,
     json_nesting_depth,
@@ -84,6 +89,7 @@ from engine.entrypoints.openai.serving_base import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_score import OpenAIServingScore
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from engine.structured_output.tool_calls import get_tool_parser
 
@@ -166,6 +172,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     tokenization = OpenAIServingTokenization(state)
+    pooling = OpenAIServingScore(state)
+    generates = pooling.info is None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,15 +241,19 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
               responses={**streaming_ok(CompletionResponse, CompletionStreamResponse),
-                         **error_responses(*GENERATION_ERRORS)})
+                         **error_responses(*GENERATION_ERRORS)}, include_in_schema=generates)
     async def create_completion(raw_request: Request) -> Response:
+        if not generates:
+            raise pooling.generation_refused()
         request = await parse_body(raw_request, CompletionRequest, max_depth)
         return await _guard(completions.create_completion(request, raw_request.receive))
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest),
               responses={**streaming_ok(ChatCompletionResponse, ChatCompletionStreamResponse),
-                         **error_responses(*GENERATION_ERRORS)})
+                         **error_responses(*GENERATION_ERRORS)}, include_in_schema=generates)
     async def create_chat_completion(raw_request: Request) -> Response:
+        if not generates:
+            raise pooling.generation_refused()
         request = await parse_body(raw_request, ChatCompletionRequest, max_depth)
         return await _guard(chat.create_chat_completion(request, raw_request.receive))
 
@@ -259,7 +271,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
         response = await _guard(tokenization.detokenize_request(request))
         return JSONResponse(response.model_dump(mode="json"))
 
-    install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS)
+    add_pooling_routes(app, pooling, max_depth, _guard)
+    install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS,
+                    () if generates else POOLING_REQUEST_MODELS)
     return app
 
 

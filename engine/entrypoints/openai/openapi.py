@@ -108,12 +108,15 @@ class OpenAPILimits:
 
 
 def openapi_document(app: FastAPI, limits: OpenAPILimits,
-                     open_paths: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """FastAPI's document plus the request models' schemas and this server's bounds."""
+                     open_paths: frozenset[str] = frozenset(),
+                     extra_models: tuple[type[BaseModel], ...] = ()) -> dict[str, Any]:
+    """FastAPI's document plus the request models' schemas (``extra_models``: those of
+    routes beyond the generation ones, e.g. the pooling routes) and this server's bounds."""
     document = get_openapi(title=app.title, version=app.version, routes=app.routes,
                            description=app.description)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    _, defs = models_json_schema([(model, "validation") for model in REQUEST_MODELS],
+    models = (*REQUEST_MODELS, *extra_models)
+    _, defs = models_json_schema([(model, "validation") for model in models],
                                  ref_template="#/components/schemas/{model}")
     for name, schema in defs.get("$defs", {}).items():
         if schemas.get(name, schema) != schema:
@@ -186,12 +189,13 @@ def _bound_integers(schema: Any, **keywords: Any) -> None:
             _bound_integers(value, **keywords)
 
 
-def install_openapi(app: FastAPI, limits: OpenAPILimits, open_paths: frozenset[str]) -> None:
+def install_openapi(app: FastAPI, limits: OpenAPILimits, open_paths: frozenset[str],
+                    extra_models: tuple[type[BaseModel], ...] = ()) -> None:
     """Serve ``openapi_document`` (built on first use) as the app's /openapi.json."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, limits, open_paths)
+            app.openapi_schema = openapi_document(app, limits, open_paths, extra_models)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -501,7 +501,13 @@ class EventStreamResponse(StreamingResponse):
 
 
 # -- overload and deadlines ---------------------------------------------------------------
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The routes that put work on the engine: generation, and pooling (engines started with
+# --runner pooling) -- both admitted against the same limit, with the same deadline.
+GENERATION_PATHS = frozenset({
+    "/v1/completions", "/v1/chat/completions",
+    "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
+    "/rerank", "/v1/rerank", "/v2/rerank",
+})
 REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
 RETRY_AFTER_S = 1
 

@@ -69,7 +69,11 @@ from engine.core.interfaces import (
     AttentionLayerSpec,
 )
 from engine.core.interfaces.attention import dequantize_kv, is_fp8_kv_cache, quantize_kv
-from engine.plugins.cpu.encoder_attention import encoder_attention
+from engine.plugins.cpu.encoder_attention import (
+    EncoderPlan,
+    encoder_attention,
+    plan_encoder_step,
+)
 from engine.plugins.cpu.mla_attention import CPUMLAAttentionImpl, MLAPlan
 from engine.plugins.cpu.native import CPUKernels, KeyLayout, load_kernels
 
@@ -163,6 +167,7 @@ class CPUAttentionMetadata:
     seq_lens: np.ndarray | None = None  # int64 [R]
     block_tables: torch.Tensor | None = None  # int64 [R, M]
     query_start_loc: np.ndarray | None = None  # int64 [R + 1] (encoder layers' segments)
+    _encoder_plan: EncoderPlan | None = None  # built by the step's first encoder layer
     _token_queries: _TokenQueries | None = None
     mla_plan: MLAPlan | None = None  # built by the step's first MLA layer (mla_attention)
     _write_index: _WriteIndex | None = None
@@ -299,8 +304,11 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         if not self.spec.causal:
             spec = self.spec
+            if metadata._encoder_plan is None:
+                metadata._encoder_plan = plan_encoder_step(metadata.query_start_loc)
             return encoder_attention(query, key, value, metadata.query_start_loc, spec.scale,
-                                     spec.sliding_window, spec.logits_soft_cap)
+                                     spec.sliding_window, spec.logits_soft_cap,
+                                     plan=metadata._encoder_plan)
         key_cache, value_cache = self._cache_views(kv_cache, metadata.block_size)
         self._write(key_cache, value_cache, key, value, metadata)
         num_decodes = metadata.num_decodes
