@@ -51,6 +51,10 @@ class PoolerConfig(BaseModel):
     # ``classifier_from_token``, e.g. Qwen3-Reranker's ["no", "yes"]): the tokens whose
     # logits score; two tokens score by the 2-way softmax (the logit difference).
     classifier_from_token: list[str] = []
+    # classify / score: whether the activation (sigmoid of one logit, softmax over
+    # several) applies by default; a sentence-transformers CrossEncoder's activation_fn
+    # Identity turns it off, as CrossEncoder.predict returns raw logits then.
+    activation: bool = True
 
     def prompt_text(self, prompt_name: str | None) -> str:
         """The text prepended to an input (the named prompt, else the default one)."""
@@ -101,6 +105,8 @@ def resolve_pooler_config(model_dir: str | Path, architecture: str, convert: str
         default = st_config.get("default_prompt_name")
         if default is not None:
             fields["default_prompt_name"] = str(default)
+        if st_config.get("activation_fn"):
+            fields["activation"] = _activation_applies(st_config["activation_fn"])
     bert_config = _read_json(path / "sentence_bert_config.json")
     if isinstance(bert_config, dict):
         if isinstance(bert_config.get("max_seq_length"), int):
@@ -113,6 +119,10 @@ def resolve_pooler_config(model_dir: str | Path, architecture: str, convert: str
             tokenizer_config, dict) else None
         if isinstance(limit, int) and 0 < limit < 1_000_000:
             fields["max_seq_length"] = limit
+    hf_config = _read_json(path / "config.json")
+    legacy = hf_config.get("sentence_transformers") if isinstance(hf_config, dict) else None
+    if isinstance(legacy, dict) and legacy.get("activation_fn") and "activation" not in fields:
+        fields["activation"] = _activation_applies(legacy["activation_fn"])  # ST < 4 saves
     overrides = hf_overrides or {}
     if overrides.get("classifier_from_token"):
         fields["classifier_from_token"] = [str(t) for t in overrides["classifier_from_token"]]
@@ -157,6 +167,12 @@ def _st_pooling_type(pooling: dict[str, Any], where: Path) -> str | None:
         raise ValueError(f"{where / 'config.json'}: mean pooling without the prompt "
                          "tokens (include_prompt false) is not supported")
     return types[0] if types else None
+
+
+def _activation_applies(activation_fn: Any) -> bool:
+    """A CrossEncoder's activation_fn: Identity means raw logits; Sigmoid (and any other
+    squashing function) means the engine's default activation."""
+    return not str(activation_fn).endswith(".Identity")
 
 
 def _read_json(file: Path) -> Any:

@@ -54,13 +54,13 @@ class PoolingParams:
         return dataclasses.replace(self, **changes)
 
     def resolved(self, task: str, *, normalize: bool, embed_size: int | None,
-                 matryoshka: list[int] | None = None, supports_dimensions: bool = True
-                 ) -> PoolingParams:
+                 matryoshka: list[int] | None = None, supports_dimensions: bool = True,
+                 activation: bool = True) -> PoolingParams:
         """A copy for ``task`` with every default filled in; a ValueError for what the
         task or the model cannot do.
 
         ``normalize``: the model's embedding default (sentence-transformers' Normalize
-        module, else True). ``embed_size``: the embedding width ``dimensions`` may cut;
+        module, else True); ``activation``: its classify / score default. ``embed_size``: the embedding width ``dimensions`` may cut;
         ``matryoshka``: the only widths the model was trained for (None: any)."""
         if task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {task!r}")
@@ -86,6 +86,6 @@ class PoolingParams:
             self,
             task=task,
             normalize=normalize if self.normalize is None and task == "embed" else self.normalize,
-            activation=(True if self.activation is None and task in ("classify", "score")
+            activation=(activation if self.activation is None and task in ("classify", "score")
                         else self.activation),
         )

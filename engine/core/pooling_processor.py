@@ -97,7 +97,7 @@ class PoolingProcessor:
         resolved = params.resolved(
             task, normalize=self.info.config.normalize, embed_size=self.info.embed_size,
             matryoshka=list(self.info.matryoshka_dimensions or ()) or None,
-            supports_dimensions=self.info.matryoshka)
+            supports_dimensions=self.info.matryoshka, activation=self.info.config.activation)
         text, token_ids, token_types = self._encode(prompt, text_pair, prompt_name,
                                                     resolved.truncate_prompt_tokens)
         self._validate(token_ids)

@@ -232,3 +232,24 @@ def test_pooling_options_refused_on_a_generating_engine() -> None:
         llm.embed("hello")
     with pytest.raises(ValueError, match="--runner pooling"):
         LLM(dtype="float32", runner="generate", convert="embed")
+
+
+def test_cross_encoder_saved_by_sentence_transformers_keeps_its_activation(tmp_path) -> None:
+    """A CrossEncoder saved with activation_fn Identity predicts raw logits; the
+    engine's scores follow its config (config_sentence_transformers.json)."""
+    from sentence_transformers import CrossEncoder
+
+    model, tok = bert_model("bert", num_labels=1, seed=23)
+    hf_dir = save_hf(model, tok, tmp_path / "hf")
+    CrossEncoder(str(hf_dir), device="cpu", activation_fn=torch.nn.Identity()).save(
+        str(tmp_path / "ce"))
+    reference_model = CrossEncoder(str(tmp_path / "ce"), device="cpu")
+    pairs = [(TEXTS[0], d) for d in TEXTS[1:]]
+    reference = torch.tensor(reference_model.predict(pairs), dtype=torch.float64)
+    # raw logits: far from what a sigmoid of them would give
+    assert (torch.sigmoid(reference) - reference).abs().min() > 0.1
+    with _llm(tmp_path / "ce") as llm:
+        scores = llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)
+        torch.testing.assert_close(torch.tensor([o.outputs.score for o in scores],
+                                                dtype=torch.float64),
+                                   reference, atol=SCORE_ATOL, rtol=0)

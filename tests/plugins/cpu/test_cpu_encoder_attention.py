@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,21 @@ def test_validate_refuses_non_causal_mla_even_where_encoders_run():
     assert "non-causal (encoder) attention" in CPUAttentionBackend.validate(mla, 16)
     with pytest.raises(ValueError, match="non-causal"):
         CPUAttentionBackend(block_size=16, device=CPU).make_impl(mla)
+
+
+@pytest.mark.parametrize("lengths", [[5], [7, 7, 7], [1, 90, 3, 44, 45, 46, 200, 2, 150] * 5])
+def test_step_plan_covers_every_token_once(lengths) -> None:
+    """The length groups of a step: each token in exactly one group slot, groups padded
+    within the limits (no padding at all past the long-prompt length)."""
+    from engine.plugins.cpu import encoder_attention as ea
+
+    qsl = np.concatenate([[0], np.cumsum(lengths)])
+    plan = ea.plan_encoder_step(qsl)
+    tokens = np.concatenate([g.tokens.numpy() for g in plan.groups])
+    assert sorted(tokens.tolist()) == list(range(int(qsl[-1])))
+    for group in plan.groups:
+        assert len(group.lengths) <= ea.MAX_GROUP
+        padded, real = group.longest * len(group.lengths), int(group.lengths.sum())
+        limit = ea.MAX_PADDING if group.longest <= ea.LONG_PROMPT else 1.0
+        assert padded <= limit * real or len(group.lengths) == 1
+        assert (group.valid_slots is None) == (padded == real)
