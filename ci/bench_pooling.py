@@ -8,9 +8,10 @@ pooling, Normalize), unless ``--model`` names one. The inputs are ``--num-texts`
 sentences of random dictionary words, ``--min-words`` to ``--max-words`` long (a
 retrieval corpus: many short inputs of uneven length). Each side gets one warm-up pass,
 then ``--repeats`` measured passes alternating engine / sentence-transformers; the figures
-are medians in texts per second, with the ratio between them and the smallest cosine
-similarity between the two sides' embeddings (the check that both computed the same
-thing). Threads: both sides use torch's (the engine's CPU platform sizes its own).
+are medians in texts per second, with the ratios (against sentence-transformers in
+float32, as users run it, and against its best dtype here: bf16 too where the CPU has
+bf16 dot products) and the smallest cosine similarity of each side's embeddings to
+sentence-transformers' float32 ones (the check that all computed the same thing). Threads: both sides use torch's (the engine's CPU platform sizes its own).
 
     python ci/bench_pooling.py                         # engine in fp32 and bf16 (if native)
     python ci/bench_pooling.py --engine-dtype float32 --repeats 5
@@ -102,23 +103,31 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="engine-bench-pooling-")
     model = Path(args.model) if args.model else build_model(Path(workdir), words)
     texts = make_texts(words, args.num_texts, args.min_words, args.max_words)
-    st = SentenceTransformer(str(model), device="cpu")
     dtypes = args.engine_dtype or ["float32"] + (["bfloat16"] if _native_bf16() else [])
-
-    def run_st() -> torch.Tensor:
-        return st.encode(texts, batch_size=32, convert_to_tensor=True)
+    # sentence-transformers as users run it (float32), and in bf16 where the engine runs
+    # bf16 too (its best dtype here).
+    peers = {dtype: SentenceTransformer(str(model), device="cpu",
+                                        model_kwargs={"dtype": getattr(torch, dtype)})
+             for dtype in dict.fromkeys(["float32", *dtypes])}
 
     engines = {dtype: LLM(str(model), runner="pooling", dtype=dtype) for dtype in dtypes}
 
     def run_engine(llm: LLM) -> torch.Tensor:
         return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
 
-    reference = run_st()
-    results: dict[str, list[float]] = {"sentence-transformers": []}
+    def run_st(st: SentenceTransformer) -> torch.Tensor:
+        return st.encode(texts, batch_size=32, convert_to_tensor=True)
+
+    reference = run_st(peers["float32"]).float()
+    results: dict[str, list[float]] = {}
     cosines: dict[str, float] = {}
+    for dtype, st in peers.items():
+        cosines[f"sentence-transformers {dtype}"] = float(torch.nn.functional.cosine_similarity(
+            run_st(st).double(), reference.double(), dim=-1).min())  # and warm-up
+        results[f"sentence-transformers {dtype}"] = []
     for dtype, llm in engines.items():
         got = run_engine(llm)  # warm-up
-        cosines[dtype] = float(torch.nn.functional.cosine_similarity(
+        cosines[f"engine {dtype}"] = float(torch.nn.functional.cosine_similarity(
             got.double(), reference.double(), dim=-1).min())
         results[f"engine {dtype}"] = []
     for _ in range(args.repeats):
@@ -126,12 +135,16 @@ def main() -> None:
             start = time.perf_counter()
             run_engine(llm)
             results[f"engine {dtype}"].append(len(texts) / (time.perf_counter() - start))
-        start = time.perf_counter()
-        run_st()
-        results["sentence-transformers"].append(len(texts) / (time.perf_counter() - start))
+        for dtype, st in peers.items():
+            start = time.perf_counter()
+            run_st(st)
+            results[f"sentence-transformers {dtype}"].append(
+                len(texts) / (time.perf_counter() - start))
     medians = {name: statistics.median(values) for name, values in results.items()}
-    base = medians["sentence-transformers"]
-    tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in texts)
+    base = medians["sentence-transformers float32"]
+    best_peer = max(v for k, v in medians.items() if k.startswith("sentence"))
+    tokenizer = peers["float32"].tokenizer
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
     from engine.plugins.cpu import kernel_build
 
     report = {
@@ -142,9 +155,11 @@ def main() -> None:
         "texts": len(texts),
         "mean_tokens": tokens / len(texts),
         "texts_per_s": {k: round(v, 1) for k, v in medians.items()},
-        "ratio_vs_sentence_transformers": {k: round(v / base, 2) for k, v in medians.items()
-                                           if k != "sentence-transformers"},
-        "min_cosine_vs_sentence_transformers": cosines,
+        "ratio_vs_sentence_transformers_float32": {
+            k: round(v / base, 2) for k, v in medians.items() if k.startswith("engine")},
+        "ratio_vs_best_sentence_transformers": {
+            k: round(v / best_peer, 2) for k, v in medians.items() if k.startswith("engine")},
+        "min_cosine_vs_sentence_transformers_float32": cosines,
     }
     print(json.dumps(report, indent=2))
     for llm in engines.values():

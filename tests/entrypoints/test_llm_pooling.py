@@ -42,6 +42,7 @@ EMBEDDERS = {  # name -> (builder, sentence-transformers pooling)
     "bert-cls": (lambda: bert_model("bert", num_labels=0), "cls"),
     "xlm-roberta-mean": (lambda: bert_model("xlm-roberta", num_labels=0), "mean"),
     "modernbert-mean": (lambda: bert_model("modernbert", num_labels=0), "mean"),
+    "nomic-bert-mean": (lambda: bert_model("nomic-bert", num_labels=0), "mean"),
     "qwen3-lasttoken": (lambda: qwen3_model("embed"), "lasttoken"),
 }
 

@@ -118,7 +118,7 @@ def _seeded(seed: int) -> None:
 
 
 def bert_model(kind: str, num_labels: int = 1, seed: int = 0) -> tuple[Any, Any]:
-    """(model, tokenizer) of ``kind``: bert / xlm-roberta / modernbert, bare
+    """(model, tokenizer) of ``kind``: bert / xlm-roberta / modernbert / nomic-bert, bare
     (``num_labels`` 0) or a sequence classifier."""
     import transformers as tf
 
@@ -143,13 +143,19 @@ def bert_model(kind: str, num_labels: int = 1, seed: int = 0) -> tuple[Any, Any]
             sep_token_id=tok.sep_token_id, bos_token_id=tok.cls_token_id,
             eos_token_id=tok.sep_token_id, classifier_pooling="mean")
         bare, head = tf.ModernBertModel, tf.ModernBertForSequenceClassification
+    elif kind == "nomic-bert":
+        tok = bert_tokenizer()
+        config = tf.NomicBertConfig(vocab_size=len(tok), head_dim=16,
+                                    pad_token_id=tok.pad_token_id, **common)
+        bare, head = tf.NomicBertModel, tf.NomicBertForSequenceClassification
     else:
         raise ValueError(kind)
     if num_labels:
         config.num_labels = num_labels
         model = head(config)
     else:
-        model = bare(config, add_pooling_layer=False) if kind != "modernbert" else bare(config)
+        model = (bare(config, add_pooling_layer=False) if kind in ("bert", "xlm-roberta")
+                 else bare(config))
     return _randomized(model).eval(), tok
 
 
