@@ -19,6 +19,7 @@ from engine import LLM, PoolingParams
 from tests.helpers.pooling_models import (
     TEXTS,
     bert_model,
+    decoder_model,
     qwen3_model,
     save_hf,
     save_sentence_transformer,
@@ -44,6 +45,8 @@ EMBEDDERS = {  # name -> (builder, sentence-transformers pooling)
     "modernbert-mean": (lambda: bert_model("modernbert", num_labels=0), "mean"),
     "nomic-bert-mean": (lambda: bert_model("nomic-bert", num_labels=0), "mean"),
     "qwen3-lasttoken": (lambda: qwen3_model("embed"), "lasttoken"),
+    "llama-lasttoken": (lambda: decoder_model("llama"), "lasttoken"),
+    "mistral-mean": (lambda: decoder_model("mistral"), "mean"),
 }
 
 
@@ -143,10 +146,12 @@ def test_bert_cross_encoder_scores_match_sentence_transformers(tmp_path) -> None
             llm.embed("x")
 
 
-@pytest.mark.parametrize("kind", ["modernbert", "xlm-roberta", "qwen3"])
+@pytest.mark.parametrize("kind", ["modernbert", "xlm-roberta", "qwen3", "qwen2"])
 def test_classifier_probabilities_match_transformers(kind, tmp_path) -> None:
     if kind == "qwen3":
         model, tok = qwen3_model("classify", num_labels=3, seed=11)
+    elif kind == "qwen2":
+        model, tok = decoder_model("qwen2", "classify", num_labels=3, seed=11)
     else:
         model, tok = bert_model(kind, num_labels=3, seed=11)
     path = save_hf(model, tok, tmp_path / kind)

@@ -159,6 +159,28 @@ def bert_model(kind: str, num_labels: int = 1, seed: int = 0) -> tuple[Any, Any]
     return _randomized(model).eval(), tok
 
 
+def decoder_model(family: str, kind: str = "embed", num_labels: int = 1, seed: int = 0
+                  ) -> tuple[Any, Any]:
+    """(model, tokenizer) of a Llama-family ``family`` (llama / mistral / qwen2): a bare
+    ``*Model`` (``kind`` embed) or a ``*ForSequenceClassification`` (classify)."""
+    import transformers as tf
+
+    _seeded(seed)
+    tok = decoder_tokenizer()
+    config_cls, bare, head = {
+        "llama": (tf.LlamaConfig, tf.LlamaModel, tf.LlamaForSequenceClassification),
+        "mistral": (tf.MistralConfig, tf.MistralModel, tf.MistralForSequenceClassification),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2Model, tf.Qwen2ForSequenceClassification),
+    }[family]
+    config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, pad_token_id=tok.pad_token_id)
+    if kind == "classify":
+        config.num_labels = num_labels
+        return _randomized(head(config)).eval(), tok
+    return _randomized(bare(config)).eval(), tok
+
+
 def qwen3_model(kind: str, num_labels: int = 1, seed: int = 0) -> tuple[Any, Any]:
     """(model, tokenizer): a bare Qwen3Model (embedder), a Qwen3ForSequenceClassification
     or a Qwen3ForCausalLM (the Qwen3-Reranker shape)."""

@@ -28,10 +28,13 @@ BUILTINS = {
     "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     # Decoders that only pool (engine.model_executor.models.adapters).
     "LlamaModel": "engine.model_executor.models.adapters:LlamaModel",
+    "MistralModel": "engine.model_executor.models.adapters:MistralModel",
     "Qwen2Model": "engine.model_executor.models.adapters:Qwen2Model",
     "Qwen3Model": "engine.model_executor.models.adapters:Qwen3Model",
     "LlamaForSequenceClassification":
         "engine.model_executor.models.adapters:LlamaForSequenceClassification",
+    "MistralForSequenceClassification":
+        "engine.model_executor.models.adapters:MistralForSequenceClassification",
     "Qwen2ForSequenceClassification":
         "engine.model_executor.models.adapters:Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification":

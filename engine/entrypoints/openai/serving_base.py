@@ -336,13 +336,7 @@ class OpenAIServing:
 
     async def collect_all(self, jobs: list[GenerationJob]) -> list[RequestOutput]:
         """Run every job concurrently; one failure cancels (aborts) the others."""
-        tasks = [asyncio.create_task(self.collect(job)) for job in jobs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()  # a no-op for finished tasks
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await gather_or_cancel([self.collect(job) for job in jobs])
 
     def stream_jobs(self, jobs: list[GenerationJob]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every job as they come."""
@@ -498,6 +492,19 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._source.aclose()  # type: ignore[attr-defined]
+
+
+async def gather_or_cancel(coroutines: list[Any]) -> list[Any]:
+    """Run the coroutines concurrently and return their results in order; the first
+    failure (or a cancellation of the caller) cancels the rest, which aborts their
+    requests in the engine, and waits for them to finish unwinding."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished tasks
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # -- overload and deadlines ---------------------------------------------------------------

@@ -13,7 +13,6 @@ the engine core (no KV blocks are left behind).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 from collections.abc import Callable
@@ -38,7 +37,12 @@ from engine.entrypoints.openai.protocol_pooling import (
     PoolingRequest,
     PoolingResponse,
 )
-from engine.entrypoints.openai.serving_base import OpenAIServing, ServerState, run_until_disconnect
+from engine.entrypoints.openai.serving_base import (
+    OpenAIServing,
+    ServerState,
+    gather_or_cancel,
+    run_until_disconnect,
+)
 
 # An engine ValueError about one of the request's options (not about an input item):
 # the message starts with the option's name, or names matryoshka (``dimensions``).
@@ -114,14 +118,8 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def _gather(self, request_id: str, jobs: list[PoolingJob], priority: int
                       ) -> list[PoolingRequestOutput]:
-        tasks = [asyncio.create_task(self._encode(f"{request_id}-{i}", job, priority))
-                 for i, job in enumerate(jobs)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()  # a no-op for finished tasks
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await gather_or_cancel([self._encode(f"{request_id}-{i}", job, priority)
+                                       for i, job in enumerate(jobs)])
 
     async def _encode(self, request_id: str, job: PoolingJob, priority: int
                       ) -> PoolingRequestOutput:

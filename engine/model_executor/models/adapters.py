@@ -30,6 +30,7 @@ from engine.model_executor.layers.linear import ReplicatedLinear
 from engine.model_executor.layers.pooler import PoolingType, make_pooler
 from engine.model_executor.models.llama import (
     LlamaForCausalLM,
+    MistralForCausalLM,
     PPMissingLayer,
     Qwen2ForCausalLM,
 )
@@ -128,8 +129,12 @@ class _DecoderPooling(LlamaForCausalLM):
         self.lm_head = PPMissingLayer()  # only its rows were needed
 
 
-# Bare decoders (sentence-transformers saves) and transformers' sequence classifiers.
+# Bare decoders (sentence-transformers saves; e5-mistral-style embedders) and
+# transformers' sequence classifiers.
 LlamaModel = type("LlamaModel", (_DecoderPooling, LlamaForCausalLM), {})
+MistralModel = type("MistralModel", (_DecoderPooling, MistralForCausalLM), {})
+MistralForSequenceClassification = type(
+    "MistralForSequenceClassification", (_DecoderPooling, MistralForCausalLM), {})
 Qwen3Model = type("Qwen3Model", (_DecoderPooling, Qwen3ForCausalLM), {})
 LlamaForSequenceClassification = type(
     "LlamaForSequenceClassification", (_DecoderPooling, LlamaForCausalLM), {})

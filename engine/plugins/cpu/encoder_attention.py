@@ -31,7 +31,10 @@ MAX_GROUP = 16
 class _Group:
     """Prompts run in one SDPA call."""
 
-    gather: torch.Tensor  # int64 [n * L]: the token row of each padded slot (T: padding)
+    # int64 [n * L]: the token row of each padded slot; a padding slot reads the group's
+    # first token (any real row: masked as a key, dropped as a query), so no zero row
+    # has to be appended to the step's tensors.
+    gather: torch.Tensor
     valid_slots: torch.Tensor | None  # int64: padded slots that are tokens (None: all)
     tokens: torch.Tensor  # int64: their token rows, in the same order
     lengths: np.ndarray  # [n]
@@ -50,6 +53,8 @@ def plan_encoder_step(query_start_loc: np.ndarray) -> EncoderPlan:
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     lens = np.diff(qsl)
     num_tokens = int(qsl[-1])
+    if (lens <= 0).any():
+        raise ValueError("every request of an encoder step needs at least one token")
     order = np.argsort(lens, kind="stable")
     groups: list[_Group] = []
     start = 0
@@ -63,18 +68,18 @@ def plan_encoder_step(query_start_loc: np.ndarray) -> EncoderPlan:
                 break
             total += longest
             end += 1
-        groups.append(_group(qsl, lens, order[start:end], num_tokens))
+        groups.append(_group(qsl, lens, order[start:end]))
         start = end
     return EncoderPlan(num_tokens, groups)
 
 
-def _group(qsl: np.ndarray, lens: np.ndarray, members: np.ndarray, num_tokens: int) -> _Group:
+def _group(qsl: np.ndarray, lens: np.ndarray, members: np.ndarray) -> _Group:
     lengths = lens[members]
     longest = int(lengths.max())
     slot = np.arange(longest)
     rows = qsl[members][:, None] + slot[None, :]  # [n, L]
     valid = slot[None, :] < lengths[:, None]
-    gather = np.where(valid, rows, num_tokens).reshape(-1)
+    gather = np.where(valid, rows, qsl[members[0]]).reshape(-1)
     flat_valid = valid.reshape(-1)
     all_valid = bool(flat_valid.all())
     return _Group(
@@ -103,12 +108,11 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             plan.groups[0].lengths) == 1:
         return _attend(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), None,
                        plan.groups[0].longest, scale, sliding_window, logits_soft_cap)[0]
-    padded = [torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in (query, key, value)]
     out = torch.empty_like(query)
     for group in plan.groups:
         n, longest = len(group.lengths), group.longest
         q, k, v = (t.index_select(0, group.gather).view(n, longest, *t.shape[1:])
-                   for t in padded)
+                   for t in (query, key, value))
         valid = None
         if group.valid_slots is not None:
             valid = torch.from_numpy(np.arange(longest)[None, :] < group.lengths[:, None])
