@@ -101,7 +101,12 @@ def save_sentence_transformer(hf_dir: Path, out: Path, pooling: str, normalize: 
                               default_prompt_name: str | None = None) -> Path:
     """A sentence-transformers directory over ``hf_dir`` (``pooling``: cls / mean /
     lasttoken)."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:
+        from sentence_transformers import models
 
     transformer = models.Transformer(str(hf_dir), max_seq_length=max_seq_length)
     modules = [transformer, models.Pooling(transformer.get_embedding_dimension(), pooling)]
