@@ -259,3 +259,16 @@ def test_cross_encoder_saved_by_sentence_transformers_keeps_its_activation(tmp_p
         torch.testing.assert_close(torch.tensor([o.outputs.score for o in scores],
                                                 dtype=torch.float64),
                                    reference, atol=SCORE_ATOL, rtol=0)
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(tmp_path) -> None:
+    """Two worker processes (gloo), each holding half the heads and matrices: the
+    pooled results cross the worker wire and equal the single-rank ones."""
+    model, tok = bert_model("bert", num_labels=0, seed=29)
+    hf_dir = save_hf(model, tok, tmp_path / "hf")
+    path = save_sentence_transformer(hf_dir, tmp_path / "st", "mean")
+    with _llm(path) as one:
+        single = torch.tensor([o.outputs.embedding for o in one.embed(TEXTS, use_tqdm=False)])
+    with _llm(path, tensor_parallel_size=2) as two:
+        split = torch.tensor([o.outputs.embedding for o in two.embed(TEXTS, use_tqdm=False)])
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
