@@ -272,3 +272,17 @@ def test_tensor_parallel_embeddings_equal_one_rank(tmp_path) -> None:
     with _llm(path, tensor_parallel_size=2) as two:
         split = torch.tensor([o.outputs.embedding for o in two.embed(TEXTS, use_tqdm=False)])
     torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_encoder_attention_end_to_end(tmp_path) -> None:
+    """The GPU plugins' Triton encoder kernel (under TRITON_INTERPRET=1, as CI runs it)
+    behind a whole ModernBERT embedder, local windowed layers included, equals the CPU
+    backend's result."""
+    model, tok = bert_model("modernbert", num_labels=0, seed=31)
+    hf_dir = save_hf(model, tok, tmp_path / "hf")
+    path = save_sentence_transformer(hf_dir, tmp_path / "st", "mean")
+    with _llm(path) as cpu:
+        expected = torch.tensor([o.outputs.embedding for o in cpu.embed(TEXTS, use_tqdm=False)])
+    with _llm(path, attention_backend="triton") as triton:
+        got = torch.tensor([o.outputs.embedding for o in triton.embed(TEXTS, use_tqdm=False)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
