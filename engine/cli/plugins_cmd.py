@@ -85,10 +85,17 @@ def _contributions(registry: PluginRegistry, errors: list[str]) -> dict[str, Any
         return [{"name": arch, "plugin": plugin}
                 for arch, plugin in ModelRegistry(plugins=registry).contributions()]
 
+    def tool_parsers():
+        from engine.structured_output.tool_calls import ToolParserRegistry
+
+        return [{"name": name, "plugin": plugin}
+                for name, plugin in ToolParserRegistry(plugins=registry).contributions()]
+
     return {
         "platforms": [{"name": p.name, "plugin": p.plugin, "available": p.available}
                       for p in registry.platforms()],
         "model_architectures": _safe(errors, "model architectures", models),
+        "tool_parsers": _safe(errors, "tool-call parsers", tool_parsers),
         "attention_backends": _safe(errors, "attention backends",
                                     lambda: entries("attention backend",
                                                     registry.attention_backends())),
@@ -207,6 +214,7 @@ def render_table(report: dict[str, Any]) -> str:
             f"{f['name']} ({f['plugin']})" for f in report["quantization_formats"]))
     contributions = report.get("contributions", {})
     for key, label in (("model_architectures", "model architectures"),
+                       ("tool_parsers", "tool-call parsers"),
                        ("attention_backends", "plugin attention backends"),
                        ("kv_connectors", "KV connectors")):
         if contributions.get(key):

@@ -1,8 +1,10 @@
 """Tool-call parsers: model text -> OpenAI ``tool_calls`` (whole, or streamed in pieces).
 
 A parser knows one model family's tool-call syntax. Parsers live in a registry
-(:func:`register_tool_parser`, :func:`get_tool_parser`) so a model's syntax is picked by
-name (``--tool-call-parser hermes``), as in vLLM. Hermes-style comes first:
+(:class:`ToolParserRegistry`, filled by the plugins' ``engine_register_tool_parsers`` hook;
+:func:`get_tool_parser`) so a model's syntax is picked by name (``--tool-call-parser
+hermes``), as in vLLM. The other families live in :mod:`engine.structured_output.tool_parsers`.
+Hermes-style is here:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -16,11 +18,13 @@ client's concatenated ``arguments`` is the JSON text of the arguments object.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -115,9 +119,17 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ABC):
-    """One model family's tool-call syntax."""
+    """One model family's tool-call syntax.
+
+    ``tools``: the request's ``tools`` list (OpenAI format), for parsers whose syntax
+    needs the functions' schemas (e.g. qwen3_coder converts XML parameter text to the
+    schema's types); parsers that do not need them ignore it.
+    """
 
     name: ClassVar[str]
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        self.tools = list(tools or [])
 
     @abstractmethod
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
@@ -128,33 +140,151 @@ class ToolParser(ABC):
         """Fresh streaming state for one output."""
 
 
-_TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+class PluginToolParserRegistry:
+    """What one plugin's ``engine_register_tool_parsers`` hook is handed: the registry,
+    with that plugin's name attached to every registration."""
+
+    def __init__(self, registry: ToolParserRegistry, plugin: str) -> None:
+        self._registry = registry
+        self.plugin = plugin
+
+    def register(self, name: str, parser: type[ToolParser] | str) -> None:
+        self._registry.register(name, parser, plugin=self.plugin)
+
+    def names(self) -> list[str]:
+        return self._registry.names()
+
+
+class ToolParserRegistry:
+    """Parser name -> parser class (or a lazy ``"module:Class"`` path).
+
+    Every name comes from a plugin's ``engine_register_tool_parsers(registry)`` hook -- the
+    built-ins from the in-tree ``tool_parsers`` plugin
+    (:mod:`engine.structured_output.tool_parsers.plugin`), exactly as a third party's -- or
+    from a direct :func:`register_tool_parser`. The plugins are asked once, lazily; a name
+    claimed twice (two plugins, or a plugin and a direct registration) is refused, naming
+    both.
+
+    ``plugins``: the plugin registry to ask (or a callable returning it); None: only what
+    is registered directly.
+    """
+
+    def __init__(self, plugins: Any = None) -> None:
+        self._entries: dict[str, type[ToolParser] | str] = {}
+        self._owners: dict[str, str | None] = {}  # name -> plugin (None: direct)
+        self._plugins = plugins
+        self._asked: Any = None
+
+    def for_plugin(self, plugin: str) -> PluginToolParserRegistry:
+        return PluginToolParserRegistry(self, plugin)
+
+    def register(self, name: str, parser: type[ToolParser] | str,
+                 plugin: str | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tool-call parser needs a non-empty name, got {name!r}")
+        if isinstance(parser, str) and ":" not in parser:
+            raise ValueError(f"lazy tool-call parser path {parser!r} for {name!r} must be "
+                             "'module:Class'")
+        if plugin is None:
+            self._ensure_plugins()
+        if name in self._entries and self._entries[name] is not parser:
+            old = self._owners.get(name)
+            if plugin is not None and old is not None and old != plugin:
+                raise ValueError(f"tool-call parser {name!r} is contributed by both plugin "
+                                 f"{old!r} and plugin {plugin!r}")
+            if plugin is None or old is None:
+                by = f"plugin {old!r}" if old is not None else "a direct registration"
+                new = f"plugin {plugin!r}" if plugin is not None else "a direct registration"
+                raise ValueError(f"a tool-call parser named {name!r} is already registered "
+                                 f"(by {by}); {new} may not replace it")
+        self._entries[name] = parser
+        self._owners[name] = plugin
+
+    def _plugin_registry(self) -> Any:
+        source = self._plugins
+        if source is None:
+            return None
+        if callable(source) and not hasattr(source, "register_tool_parsers"):
+            return source()
+        return source
+
+    def _ensure_plugins(self) -> None:
+        """Ask every plugin once (again when the process's plugin registry was rebuilt)."""
+        plugins = self._plugin_registry()
+        if plugins is None or plugins is self._asked:
+            return
+        for name in [n for n, owner in self._owners.items() if owner is not None]:
+            del self._entries[name], self._owners[name]
+        self._asked = plugins
+        try:
+            plugins.register_tool_parsers(self)
+        except Exception:
+            self._asked = None
+            for name in [n for n, owner in self._owners.items() if owner is not None]:
+                del self._entries[name], self._owners[name]
+            raise
+
+    def names(self) -> list[str]:
+        self._ensure_plugins()
+        return sorted(self._entries)
+
+    def contributions(self) -> list[tuple[str, str | None]]:
+        """``(name, plugin)`` for every parser (plugin None: registered directly)."""
+        self._ensure_plugins()
+        return [(name, self._owners[name]) for name in sorted(self._entries)]
+
+    def parser_class(self, name: str) -> type[ToolParser]:
+        self._ensure_plugins()
+        entry = self._entries.get(name)
+        if entry is None:
+            hint = ""
+            if self._plugins is not None and os.environ.get("ENGINE_PLUGINS"):
+                hint = (f" (ENGINE_PLUGINS={os.environ['ENGINE_PLUGINS']} limits the plugins "
+                        "loaded; the built-in parsers come from plugin 'tool_parsers')")
+            raise ValueError(f"unknown tool-call parser {name!r}; available: "
+                             f"{', '.join(sorted(self._entries)) or '(none)'}{hint}")
+        if isinstance(entry, str):
+            module_name, _, attr = entry.partition(":")
+            entry = getattr(importlib.import_module(module_name), attr)
+            self._entries[name] = entry
+        if not getattr(entry, "name", None):
+            entry.name = name
+        return entry
+
+    def create(self, name: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ToolParser:
+        cls = self.parser_class(name)
+        return cls(tools) if tools else cls()
+
+
+def _process_plugins() -> Any:
+    from engine.core.plugins import get_plugin_registry
+
+    return get_plugin_registry()
+
+
+TOOL_PARSERS = ToolParserRegistry(plugins=_process_plugins)
 
 
 def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: make a parser available by ``name``."""
+    """Class decorator: make a parser available by ``name`` (a direct registration; a
+    plugin contributes through ``engine_register_tool_parsers`` instead)."""
 
     def register(cls: type[ToolParser]) -> type[ToolParser]:
-        if name in _TOOL_PARSERS and _TOOL_PARSERS[name] is not cls:
-            raise ValueError(f"a tool-call parser named {name!r} is already registered")
+        TOOL_PARSERS.register(name, cls)
         cls.name = name
-        _TOOL_PARSERS[name] = cls
         return cls
 
     return register
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    cls = _TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(
-            f"unknown tool-call parser {name!r}; available: {', '.join(sorted(_TOOL_PARSERS))}"
-        )
-    return cls()
+def get_tool_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ToolParser:
+    """A fresh parser called ``name`` (ValueError listing the registered names if none),
+    given the request's ``tools`` when there are any."""
+    return TOOL_PARSERS.create(name, tools)
 
 
 def tool_parser_names() -> list[str]:
-    return sorted(_TOOL_PARSERS)
+    return TOOL_PARSERS.names()
 
 
 # -- Hermes ---------------------------------------------------------------------------------
@@ -177,9 +307,10 @@ def parse_call_json(text: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen 2.5+)."""
+
+    name = "hermes"
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         calls, content, pos = [], [], 0

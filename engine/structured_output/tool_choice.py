@@ -124,9 +124,11 @@ def tool_choice_schema(
 class ToolCallHandler:
     """Per-request conversion of model text into content + tool calls."""
 
-    def __init__(self, choice: ToolChoice, parser: str | None = "hermes") -> None:
+    def __init__(self, choice: ToolChoice, parser: str | None = "hermes",
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.choice = choice
-        self.parser = get_tool_parser(parser) if choice.mode == "auto" and parser else None
+        self.parser = (get_tool_parser(parser, tools) if choice.mode == "auto" and parser
+                       else None)
 
     @classmethod
     def from_request(
@@ -135,7 +137,7 @@ class ToolCallHandler:
         tool_choice: Any,
         parser: str | None = "hermes",
     ) -> ToolCallHandler:
-        return cls(parse_tool_choice(tool_choice, tools), parser)
+        return cls(parse_tool_choice(tool_choice, tools), parser, tools)
 
     def adjust_params(self, params: SamplingParams) -> SamplingParams:
         """Keep special tokens in the text when a parser reads it: tool-call tags such as

@@ -45,6 +45,13 @@ def engine_register_models(registry: Any) -> None:
 
 
 @hookspec
+def engine_register_tool_parsers(registry: Any) -> None:
+    """Register tool-call parsers into ``registry`` (the engine's tool-parser registry):
+    ``registry.register(name, ToolParserSubclass or "module:Class")``; ``name`` is what
+    ``--tool-call-parser`` selects. A name another plugin registers is refused."""
+
+
+@hookspec
 def engine_register_attention_backends() -> list[type[AttentionBackend]]:
     """Extra attention backends, selectable by name."""
 

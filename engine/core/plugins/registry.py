@@ -406,6 +406,14 @@ class PluginRegistry:
         plugin is handed ``registry.for_plugin(<its name>)``, so the registry records who
         registered each architecture (and refuses a name two plugins claim).
         """
+        self._register_into("engine_register_models", registry)
+
+    def register_tool_parsers(self, registry: Any) -> None:
+        """Let every plugin add tool-call parsers to ``registry`` (as
+        :meth:`register_models`: each plugin is handed ``registry.for_plugin(<its name>)``)."""
+        self._register_into("engine_register_tool_parsers", registry)
+
+    def _register_into(self, hook_name: str, registry: Any) -> None:
         for_plugin = getattr(registry, "for_plugin", None)
         for info in self._plugins:
             if info.status is not PluginStatus.OK:
@@ -413,11 +421,11 @@ class PluginRegistry:
             plugin = self.pm.get_plugin(info.name)
             target = for_plugin(info.name) if callable(for_plugin) else registry
             try:
-                self._call_one(plugin, "engine_register_models", registry=target)
+                self._call_one(plugin, hook_name, registry=target)
             except Exception as exc:
                 raise RuntimeError(
                     f"plugin {info.name!r} ({info.dist_label}) failed in "
-                    f"engine_register_models(): {_describe(exc)}"
+                    f"{hook_name}(): {_describe(exc)}"
                 ) from exc
 
     def attention_backend_classes(self) -> dict[str, tuple[str, type]]:
