@@ -218,6 +218,14 @@ class StructuredOutputsConfig(BaseModel):
     disable_any_whitespace: bool = False
     disable_fallback: bool = False
     strict: bool = False
+    # vLLM's: with a reasoning parser the grammar constrains only the tokens after the
+    # reasoning ends (enable_in_reasoning: from the first token, reasoning included).
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
+    # Resolved by the front end from the parser and the tokenizer (EngineArgs): the core
+    # sees reasoning end at this token (None: the end marker is not one token).
+    reasoning_start_token_id: int | None = None
+    reasoning_end_token_id: int | None = None
 
     @field_validator("backend", mode="before")
     @classmethod

@@ -8,6 +8,7 @@ grouped :class:`EngineConfig` the engine runs with.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from engine.core.config import (
 ATTENTION_BACKEND_ENV = "ENGINE_ATTENTION_BACKEND"
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_source(model: str) -> str:
@@ -86,6 +89,9 @@ class EngineArgs:
     # vLLM's --structured-outputs-config: a dict or its JSON text ({"backend": ...,
     # "disable_any_whitespace": ..., "disable_fallback": ..., "strict": ...}).
     structured_outputs_config: dict[str, Any] | str | None = None
+    # vLLM's --reasoning-parser (engine.structured_output.reasoning): structured outputs
+    # constrain only what follows the reasoning.
+    reasoning_parser: str | None = None
     # vLLM's --kv-transfer-config: a dict or its JSON text ({"kv_connector": ...,
     # "kv_role": ..., "kv_connector_extra_config": {...}}).
     kv_transfer_config: dict[str, Any] | str | None = None
@@ -150,6 +156,8 @@ class EngineArgs:
             )
         # A bad structured-outputs config fails here, before a model loads.
         structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
+        structured_outputs = _resolve_reasoning(structured_outputs, self.reasoning_parser,
+                                                self.tokenizer or path)
         kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
         if kv_transfer is not None:
             from engine.kv_transfer.factory import connector_classes
@@ -222,6 +230,28 @@ class EngineArgs:
         bad = [name for name, set_ in refused.items() if set_]
         if bad:
             raise ValueError(f"--runner pooling cannot be combined with {', '.join(bad)}")
+
+
+def _resolve_reasoning(config: StructuredOutputsConfig, parser_name: str | None,
+                       tokenizer_path: str) -> StructuredOutputsConfig:
+    """The structured-outputs config with the reasoning parser's start / end token ids
+    (read from the tokenizer here, in the front end, so the core needs no parser)."""
+    name = parser_name or config.reasoning_parser
+    if name is None:
+        return config
+    from engine.core.tokenizer import load_tokenizer
+    from engine.structured_output.reasoning import get_reasoning_parser
+
+    get_reasoning_parser(name)  # an unknown name: ValueError listing the names
+    parser = get_reasoning_parser(name, load_tokenizer(tokenizer_path))
+    if parser.end_token_id is None and not config.enable_in_reasoning:
+        logger.warning("reasoning parser %s: the end of reasoning is not one token of this "
+                       "tokenizer, so structured outputs constrain the reasoning too", name)
+    return config.model_copy(update={
+        "reasoning_parser": name,
+        "reasoning_start_token_id": parser.start_token_id,
+        "reasoning_end_token_id": parser.end_token_id,
+    })
 
 
 def resolve_runner(runner: str, convert: str, files: Any,

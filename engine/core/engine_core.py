@@ -90,7 +90,8 @@ class EngineCore:
             core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(core_request)
         if structured is not None:  # compiles off the step loop; the request waits
-            self.structured_output_manager.add_request(request.request_id, structured)
+            self.structured_output_manager.add_request(
+                request.request_id, structured, request.prompt_token_ids or ())
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -14,6 +14,12 @@ Life of a constrained request in the core:
    :meth:`is_terminated` says when the grammar is complete.
 4. :meth:`remove_request` forgets it (finished, aborted or failed).
 
+With a reasoning parser (``reasoning_end_token_id``; vLLM's ``--reasoning-parser``) the
+grammar constrains only what follows the reasoning: a request whose prompt does not end
+past a reasoning part (:func:`reasoning_ended`) is :meth:`in_reasoning` -- the scheduler
+leaves it out of the step's bitmask and :meth:`accept_tokens` feeds the matcher nothing --
+until it generates the end token; the tokens after that one are constrained.
+
 Compiles follow :func:`~engine.structured_output.enforcement.plan_constraint`: the
 backend that enforces the constraint in full, else (a JSON schema) the one that enforces
 a relaxed schema with the fewest keywords relaxed, which is logged; a ``strict``
@@ -71,6 +77,7 @@ class _Entry:
     future: Future | None
     grammar: Grammar | None = None
     backend: StructuredOutputBackend | None = None
+    in_reasoning: bool = False  # no end-of-reasoning token generated yet: unconstrained
 
 
 class StructuredOutputManager:
@@ -84,6 +91,8 @@ class StructuredOutputManager:
         disable_any_whitespace: bool = False,
         strict: bool = False,
         cache_size: int = COMPILE_CACHE_SIZE,
+        reasoning_end_token_id: int | None = None,
+        reasoning_start_token_id: int | None = None,
     ) -> None:
         if backend not in BACKEND_NAMES:
             raise ValueError(
@@ -96,6 +105,8 @@ class StructuredOutputManager:
         self.default_backend = backend
         self.default_disable_any_whitespace = disable_any_whitespace
         self.default_strict = strict
+        self.reasoning_end_token_id = reasoning_end_token_id
+        self.reasoning_start_token_id = reasoning_start_token_id
         self.stats = CompileStats()  # compile time, compile cache hits / misses
         self._cache: OrderedDict[tuple[str, bool, str], Any] = OrderedDict()
         self._cache_size = max(0, cache_size)
@@ -139,6 +150,9 @@ class StructuredOutputManager:
             kwargs.setdefault("backend", so.backend)
             kwargs.setdefault("disable_any_whitespace", so.disable_any_whitespace)
             kwargs.setdefault("strict", so.strict)
+            if not so.enable_in_reasoning:
+                kwargs.setdefault("reasoning_end_token_id", so.reasoning_end_token_id)
+                kwargs.setdefault("reasoning_start_token_id", so.reasoning_start_token_id)
 
         def load() -> tuple[Any, list[int]]:
             from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
@@ -152,8 +166,10 @@ class StructuredOutputManager:
         return cls(load, vocab_size, **kwargs)
 
     # -- requests in ----------------------------------------------------------------------
-    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling ``params`` for ``request_id`` in the background."""
+    def add_request(self, request_id: str, params: StructuredOutputsParams,
+                    prompt_token_ids: Sequence[int] = ()) -> None:
+        """Start compiling ``params`` for ``request_id`` in the background (with a
+        reasoning parser the request starts in its reasoning unless its prompt ended it)."""
         if request_id in self._entries:
             raise ValueError(f"request id {request_id!r} already has a grammar")
         if self._pool is None:
@@ -161,7 +177,9 @@ class StructuredOutputManager:
                 max_workers=self.num_threads, thread_name_prefix="grammar-compile"
             )
         future = self._pool.submit(self._compile, params)
-        self._entries[request_id] = _Entry(params, future)
+        in_reasoning = self.reasoning_end_token_id is not None and not reasoning_ended(
+            prompt_token_ids, self.reasoning_end_token_id, self.reasoning_start_token_id)
+        self._entries[request_id] = _Entry(params, future, in_reasoning=in_reasoning)
         future.add_done_callback(lambda _, rid=request_id: self._finished_compiles.append(rid))
 
     def is_ready(self, request: Request) -> bool:
@@ -241,11 +259,25 @@ class StructuredOutputManager:
             _fill_draft_rows(grammar, row, drafts, bitmask)
         return bitmask[:num_rows, : self._words_out]
 
+    def in_reasoning(self, request_id: str) -> bool:
+        """True while the request is still in its reasoning (not masked this step)."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.in_reasoning
+
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
-        """Advance the request's matcher; False if the grammar rejects a token."""
+        """Advance the request's matcher; False if the grammar rejects a token. In the
+        reasoning, tokens up to and including the end token are not fed."""
         entry = self._entries.get(request_id)
         if entry is None or entry.grammar is None:
             return False
+        if entry.in_reasoning:
+            token_ids = list(token_ids)
+            if self.reasoning_end_token_id not in token_ids:
+                return True
+            entry.in_reasoning = False
+            token_ids = token_ids[token_ids.index(self.reasoning_end_token_id) + 1:]
+            if not token_ids:
+                return True
         return entry.grammar.accept_tokens(token_ids)
 
     def is_terminated(self, request_id: str) -> bool:
@@ -340,6 +372,17 @@ class StructuredOutputManager:
             capacity = max(num_rows, 2 * (0 if self._bitmask is None else self._bitmask.shape[0]))
             self._bitmask = torch.full((max(capacity, 8), words), -1, dtype=torch.int32)
         return self._bitmask
+
+
+def reasoning_ended(token_ids: Sequence[int], end_token_id: int,
+                    start_token_id: int | None = None) -> bool:
+    """vLLM's rule: the last start or end token in ``token_ids`` is the end token."""
+    for token in reversed(token_ids):
+        if token == start_token_id:
+            return False
+        if token == end_token_id:
+            return True
+    return False
 
 
 def _fill_draft_rows(

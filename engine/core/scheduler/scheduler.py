@@ -493,12 +493,15 @@ class Scheduler:
             else:  # no room for its drafts this step: they are dropped, not kept stale
                 r.spec_token_ids.clear()
             r.num_computed_tokens += num_new
-        # Constrained requests that sample this step, in the executor's row order.
+        # Constrained requests that sample this step, in the executor's row order (one
+        # still in its reasoning is not constrained yet).
+        manager = self.structured_output_manager
         structured_ids = [
             rid
             for rid in step.num_scheduled_tokens
             if (r := self.requests[rid]).sampling_params.structured_outputs is not None
             and r.num_computed_tokens >= r.num_tokens
+            and not (manager is not None and manager.in_reasoning(rid))
         ]
 
         finished, self.finished_req_ids = self.finished_req_ids, set()

@@ -91,6 +91,7 @@ from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_score import OpenAIServingScore
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from engine.structured_output.reasoning import get_reasoning_parser
 from engine.structured_output.tool_calls import get_tool_parser
 
 logger = logging.getLogger("engine.server")
@@ -161,6 +162,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     the app's lifespan exit shuts the engine (and its core process) down."""
     settings = settings or ServerSettings()
     get_tool_parser(settings.tool_call_parser)  # an unknown parser: ValueError naming it
+    if settings.reasoning_parser is not None:
+        get_reasoning_parser(settings.reasoning_parser)  # likewise
     model_name = settings.served_model_name or engine.model_name
     metrics = ServerMetrics(model_name)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")

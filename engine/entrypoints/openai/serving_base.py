@@ -78,6 +78,8 @@ class ServerSettings:
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for
     max_logprobs: int = 20  # largest logprobs / top_logprobs / prompt_logprobs
     tool_call_parser: str = "hermes"  # reads tool calls in tool_choice "auto" outputs
+    # Splits chat outputs into reasoning_content and content (None: no split).
+    reasoning_parser: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # A dead engine core: start a fresh one up to this many times, then stop the server
