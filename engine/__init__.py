@@ -1,7 +1,9 @@
 """engine: a hardware-agnostic LLM inference and serving engine.
 
 Public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
-``EngineArgs``, and for pooling models ``PoolingParams`` with the pooling outputs. Heavy modules (torch, the model executor) load on first use, so
+``EngineArgs``, ``BeamSearchParams`` (``LLM.beam_search``), and for pooling models
+``PoolingParams`` with the pooling outputs. Heavy modules (torch, the model executor) load
+on first use, so
 ``import engine`` and the CLI start fast.
 """
 
@@ -24,11 +26,13 @@ _LAZY = {
     "EmbeddingRequestOutput": "engine.core.outputs",
     "ClassificationRequestOutput": "engine.core.outputs",
     "ScoringRequestOutput": "engine.core.outputs",
+    "BeamSearchParams": "engine.core.beam_search",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
+    from engine.core.beam_search import BeamSearchParams
     from engine.core.engine_args import EngineArgs
     from engine.core.outputs import (
         ClassificationRequestOutput,

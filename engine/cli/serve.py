@@ -7,7 +7,17 @@ import logging
 import click
 
 from engine.cli.options import engine_args_from_options, engine_options
+from engine.structured_output.reasoning import reasoning_parser_names
 from engine.structured_output.tool_calls import tool_parser_names
+
+
+def _check_tool_call_parser(value: str) -> str:
+    """Any parser a plugin registers (the built-ins included); the error lists them."""
+    names = tool_parser_names()
+    if value not in names:
+        raise click.BadParameter(f"{value!r} is not a registered tool-call parser; "
+                                 f"registered: {', '.join(names)}")
+    return value
 
 
 @click.command("serve")
@@ -28,9 +38,14 @@ from engine.structured_output.tool_calls import tool_parser_names
                    "max_model_len).")
 @click.option("--max-logprobs", type=click.IntRange(min=0), default=20, show_default=True,
               help="Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.")
-@click.option("--tool-call-parser", type=click.Choice(tool_parser_names()), default="hermes",
-              show_default=True,
-              help="How tool calls are read from model text (tool_choice 'auto').")
+@click.option("--tool-call-parser", default="hermes", show_default=True,
+              callback=lambda ctx, param, value: _check_tool_call_parser(value),
+              help="How tool calls are read from model text (tool_choice 'auto'): hermes, "
+                   "llama3_json, mistral, pythonic, qwen3_coder, granite, deepseek_v3, openai, "
+                   "or a name a plugin registers.")
+@click.option("--reasoning-parser", type=click.Choice(reasoning_parser_names()), default=None,
+              help="Split a reasoning model's chat output into reasoning_content and "
+                   "content; structured outputs and tool calls then apply to the content.")
 @click.option("--timeout-graceful-shutdown", type=click.IntRange(min=0), default=10,
               show_default=True,
               help="Seconds in-flight requests may keep running after SIGTERM / SIGINT.")
@@ -56,6 +71,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               served_model_name: str | None, max_request_body_bytes: int,
               max_request_json_depth: int,
               max_tokens_limit: int | None, max_logprobs: int, tool_call_parser: str,
+              reasoning_parser: str | None,
               timeout_graceful_shutdown: int, restart_engine_core: int,
               keep_alive_on_engine_death: bool, max_num_waiting: int | None,
               request_timeout: float | None,
@@ -76,7 +92,8 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
     engine_kwargs["model"] = model_arg or model_option
     try:
         args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs),
-                                      served_model_name=served_model_name)
+                                      served_model_name=served_model_name,
+                                      reasoning_parser=reasoning_parser)
         engine = AsyncLLM.from_engine_args(args)
     except (ValueError, FileNotFoundError, EngineStartupError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -84,7 +101,9 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         served_model_name=engine.model_name, api_key=api_key or None,
         max_request_body_bytes=max_request_body_bytes, max_tokens_limit=max_tokens_limit,
         max_request_json_depth=max_request_json_depth,
-        max_logprobs=max_logprobs, tool_call_parser=tool_call_parser, host=host, port=port,
+        max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser or engine.config.structured_outputs.reasoning_parser,
+        host=host, port=port,
         restart_engine_core=restart_engine_core,
         exit_on_engine_death=not keep_alive_on_engine_death,
         max_num_waiting=max_num_waiting, request_timeout=request_timeout,

@@ -17,12 +17,14 @@ requests fail at once, until ``restart_core`` starts a fresh core (the server's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+from engine.core.beam_search import BeamSearchInstance, BeamSearchParams, eos_ids_of
 from engine.core.config import EngineConfig
 from engine.core.core_protocol import EngineCoreStats, describe_exception
 from engine.core.engine_args import EngineArgs
@@ -142,6 +144,57 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort_nowait([request_id])
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        request_id: str,
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's beam search for one prompt (:mod:`engine.core.beam_search`, the same
+        bookkeeping as ``LLM.beam_search``): yields one finished RequestOutput whose
+        ``outputs`` are the best ``beam_width`` beams, best first (generated part only).
+
+        Each round's beams run concurrently as one-token requests
+        ``{request_id}-b{round}-{i}``; cancelling the consumer aborts them. Raises
+        ValueError for bad input.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, not {type(params).__name__}")
+        processor = self.processor
+        text, token_ids = processor._parse_prompt(prompt, add_special_tokens)
+        processor._validate_prompt(token_ids)
+        search = BeamSearchInstance(token_ids, params, eos_ids_of(processor),
+                                    processor.max_model_len)
+        round_params = params.round_params()
+
+        async def one_token(tokens: list[int], beam_request_id: str):
+            final = None
+            generator = self.generate({"prompt_token_ids": tokens}, round_params,
+                                      beam_request_id, priority=priority, cache_salt=cache_salt)
+            async with contextlib.aclosing(generator):
+                async for output in generator:
+                    final = output
+            completion = final.outputs[0] if final is not None else None
+            return completion.logprobs[0] if completion and completion.logprobs else None
+
+        while not search.done:
+            prefix = f"{request_id}-b{search.rounds}"
+            tasks = [asyncio.ensure_future(one_token(beam.tokens, f"{prefix}-{i}"))
+                     for i, beam in enumerate(search.beams)]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            search.advance(results)
+        yield search.request_output(request_id, text, self.tokenizer)
 
     async def encode(
         self,

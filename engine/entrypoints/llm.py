@@ -6,6 +6,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from engine.core.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchParams,
+    eos_ids_of,
+)
 from engine.core.engine_args import EngineArgs
 from engine.core.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
@@ -132,6 +138,47 @@ class LLM(PoolingAPI):
         # The rendered template already holds BOS and other special tokens.
         return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (:mod:`engine.core.beam_search`): per prompt, the best
+        ``params.beam_width`` sequences, best first. Each round submits every live beam of
+        every prompt at once as a one-token request (the prefix cache shares the beams'
+        common blocks) and steps the engine until all are done."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, not {type(params).__name__}")
+        processor = self.llm_engine.processor
+        eos_ids = eos_ids_of(processor)
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            _, token_ids = processor._parse_prompt(prompt, add_special_tokens=True)
+            processor._validate_prompt(token_ids)
+            searches.append(
+                BeamSearchInstance(token_ids, params, eos_ids, processor.max_model_len))
+        round_params = params.round_params()
+        bar = _progress_bar(params.max_tokens) if use_tqdm else None
+        try:
+            while live := [s for s in searches if not s.done]:
+                beams = [beam for s in live for beam in s.beams]
+                outputs = self._generate([{"prompt_token_ids": b.tokens} for b in beams],
+                                         round_params, use_tqdm=False)
+                start = 0
+                for search in live:
+                    results = outputs[start: start + len(search.beams)]
+                    start += len(search.beams)
+                    search.advance([_one_position(o) for o in results])
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tokenizer = self.get_tokenizer()
+        return [s.finish(tokenizer) for s in searches]
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (False while blocks are still in use)."""
         return self.llm_engine.client.reset_prefix_cache()
@@ -157,6 +204,13 @@ class LLM(PoolingAPI):
             if bar is not None:
                 bar.close()
         return [finished[rid] for rid in request_ids]
+
+
+def _one_position(output: RequestOutput):
+    """The logprobs of a one-token request's single generated position (None if it
+    generated nothing)."""
+    completion = output.outputs[0]
+    return completion.logprobs[0] if completion.logprobs else None
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -171,6 +171,9 @@ class SamplingRequest(OpenAIRequestModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # Beam search (vLLM's): beam_width = n, choices best first (engine.core.beam_search).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Disaggregated prefill/decode (vLLM's): the KV connector's parameters, e.g.
     # {"do_remote_decode": true} to a producer, or what a producer returned to a consumer.
     kv_transfer_params: dict[str, Any] | None = None
@@ -321,6 +324,10 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # --reasoning-parser: the reasoning part (``reasoning`` is vLLM's newer name, the same
+    # value); None without a parser or when the output has no reasoning.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -347,6 +354,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser; ``reasoning``: same value
+    reasoning: str | None = None
     # ToolCallDelta.to_openai() items: the first piece of a call carries id/type/name.
     tool_calls: list[dict[str, Any]] | None = None
 

@@ -15,6 +15,12 @@ and each choice's text is split into ``content`` and ``tool_calls`` by a
 "auto" is read by the server's tool-call parser (``--tool-call-parser``). Streamed tool
 calls follow OpenAI's shape: a call's first piece carries its id, type and name, later
 pieces extend its ``arguments``. The legacy ``functions`` / ``function_call`` are a 400.
+
+With ``--reasoning-parser`` each choice's text is first split into its reasoning
+(``message.reasoning_content`` and vLLM's newer ``message.reasoning``, the same value;
+streamed as ``delta.reasoning_content`` / ``delta.reasoning``) and the rest; tool calls are
+read from the rest only (the engine core likewise constrains only the tokens after the
+reasoning).
 """
 
 from __future__ import annotations
@@ -59,12 +65,18 @@ from engine.entrypoints.openai.serving_base import (
     structured_output_failure,
     token_text,
 )
+from engine.entrypoints.openai.serving_beam import beam_search_params, collect_beam_search
 from engine.entrypoints.openai.serving_completion import (
     serialize_prompt_logprobs,
     server_structured_outputs,
 )
 from engine.structured_output.enforcement import relaxed_keywords
 from engine.structured_output.openai_fields import relaxed_headers
+from engine.structured_output.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
 from engine.structured_output.tool_calls import ToolCallStream
 from engine.structured_output.tool_choice import ToolCallHandler
 
@@ -82,6 +94,7 @@ class _Options:
     n: int
     top_logprobs: int | None  # None: no logprobs
     tools: ToolCallHandler | None = None  # None: no tools (the text is the content)
+    reasoning: ReasoningParser | None = None  # None: no reasoning split
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         """OpenAI reports "tool_calls" when the model chose to call (auto / required); a
@@ -93,6 +106,12 @@ class _Options:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        name = self.settings.reasoning_parser
+        self.reasoning_parser = (get_reasoning_parser(name, self.tokenizer)
+                                 if name is not None else None)
+
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      receive: Callable) -> Response:
         self.check_model(request.model)
@@ -127,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             request_id=random_id("chatcmpl"), created=now_s(),
             n=1 if request.n is None else request.n,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            tools=handler)
+            tools=handler, reasoning=self.reasoning_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.sampling_params(request, max_tokens=max_tokens,
                                       logprobs=options.top_logprobs,
@@ -135,10 +154,14 @@ class OpenAIServingChat(OpenAIServing):
                                       structured_outputs=structured)
         if handler is not None:
             params = handler.adjust_params(params)
+        if (self.reasoning_parser is not None and self.reasoning_parser.marker_tokens_special
+                and params.skip_special_tokens):  # keep special-token markers in the text
+            params = params.clone(skip_special_tokens=False)
         job = GenerationJob(0, options.request_id, prompt, params, request.priority,
                             request.cache_salt)
         relaxed = relaxed_keywords(params.structured_outputs)  # the 400 is validate_job's
         self.validate_job(job, request)
+        beam = beam_search_params(request, job)  # use_beam_search; None: sampling
         headers = relaxed_headers(relaxed)
         self.metrics.observe_structured_output(relaxed)
         if request.stream:
@@ -148,7 +171,8 @@ class OpenAIServingChat(OpenAIServing):
             streamed = EventStreamResponse(self._stream(job, options, include_usage, continuous))
             streamed.headers.update(headers)
             return streamed
-        output = await run_until_disconnect(self.collect(job), receive)
+        work = self.collect(job) if beam is None else collect_beam_search(self, job, beam)
+        output = await run_until_disconnect(work, receive)
         choices = [self._choice(c, options)
                    for c in sorted(output.outputs, key=lambda c: c.index)]
         prompt_tokens = len(prompt.token_ids)
@@ -179,12 +203,16 @@ class OpenAIServingChat(OpenAIServing):
         """One finished choice: its text split into content and tool calls."""
         if (failure := structured_output_failure(completion)) is not None:
             raise failure
-        message, called = ChatMessage(content=completion.text), False
-        if options.tools is not None:
-            extracted = options.tools.extract(completion.text)
+        reasoning, text = None, completion.text
+        if options.reasoning is not None:
+            reasoning, text = options.reasoning.extract_reasoning(text)
+        message, called = ChatMessage(content=text), False
+        if options.tools is not None and text is not None:  # calls come after the reasoning
+            extracted = options.tools.extract(text)
             called = extracted.tools_called
             message = ChatMessage(content=extracted.content,
                                   tool_calls=[call.to_openai() for call in extracted.tool_calls])
+        message.reasoning_content = message.reasoning = reasoning
         return ChatCompletionChoice(
             index=completion.index, message=message, logprobs=self._logprobs(completion, options),
             finish_reason=options.finish_reason(completion.finish_reason, called),
@@ -226,6 +254,9 @@ class OpenAIServingChat(OpenAIServing):
         handler = options.tools
         streams: dict[int, ToolCallStream] = (
             {i: handler.stream() for i in range(options.n)} if handler is not None else {})
+        reasoning_streams: dict[int, ReasoningStream] = (
+            {i: options.reasoning.stream() for i in range(options.n)}
+            if options.reasoning is not None else {})
 
         def usage() -> UsageInfo:
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -249,8 +280,8 @@ class OpenAIServingChat(OpenAIServing):
                             raise failure
                         completion_tokens += len(c.token_ids)
                         logprobs = self._logprobs(c, options)
-                        delta = _delta(streams.get(c.index), c)
-                        if (delta.content or delta.tool_calls
+                        delta = _delta(streams.get(c.index), reasoning_streams.get(c.index), c)
+                        if (delta.content or delta.tool_calls or delta.reasoning_content
                                 or (logprobs is not None and logprobs.content)):
                             content.append(ChatStreamChoice(
                                 index=c.index, delta=delta, logprobs=logprobs))
@@ -277,13 +308,30 @@ def _reject_unsupported(request: ChatCompletionRequest) -> None:
                           "tools and tool_choice", "functions")
 
 
-def _delta(stream: ToolCallStream | None, completion: CompletionOutput) -> DeltaMessage:
-    """The streamed piece of one choice: plain text, or content + tool-call pieces (the
-    handler's stream is flushed when the choice finishes)."""
+def _delta(stream: ToolCallStream | None, reasoning_stream: ReasoningStream | None,
+           completion: CompletionOutput) -> DeltaMessage:
+    """The streamed piece of one choice: reasoning (with a reasoning parser), then plain
+    text, or content + tool-call pieces (the streams are flushed when the choice
+    finishes)."""
+    text, finished = completion.text, completion.finish_reason is not None
+    if reasoning_stream is None:
+        delta = _content_delta(stream, text, finished)
+    else:
+        reasoning, content = reasoning_stream.feed(text) if text else (None, None)
+        if finished:
+            more_reasoning, more_content = reasoning_stream.finish()
+            reasoning = (reasoning or "") + (more_reasoning or "") or None
+            content = (content or "") + (more_content or "") or None
+        delta = _content_delta(stream, content or "", finished)
+        delta.reasoning_content = delta.reasoning = reasoning
+    return delta
+
+
+def _content_delta(stream: ToolCallStream | None, text: str, finished: bool) -> DeltaMessage:
     if stream is None:
-        return DeltaMessage(content=completion.text or None)
-    piece = stream.feed(completion.text) if completion.text else None
-    if completion.finish_reason is not None:
+        return DeltaMessage(content=text or None)
+    piece = stream.feed(text) if text else None
+    if finished:
         rest = stream.finish()
         if piece is None:
             piece = rest

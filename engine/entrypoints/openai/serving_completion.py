@@ -14,6 +14,8 @@ every choice; a constraint the engine core fails on is a 400 (or an in-band erro
 once streaming). The server's ``--structured-outputs-config`` fills what the request
 leaves unset; a JSON schema compiled with keywords relaxed names them in the
 ``x-structured-output-relaxed`` response header (with ``strict``: a 400 instead).
+
+``use_beam_search`` (with ``n``, ``length_penalty``): see serving_beam.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ from engine.entrypoints.openai.serving_base import (
     OpenAIServing,
     PromptInput,
     clamp_logprob,
+    gather_or_cancel,
     run_until_disconnect,
     sse,
     sse_error,
     structured_output_failure,
     token_text,
 )
+from engine.entrypoints.openai.serving_beam import beam_search_params, collect_beam_search
 from engine.structured_output.enforcement import relaxed_keywords
 from engine.structured_output.openai_fields import apply_server_defaults, relaxed_headers
 from engine.structured_output.params import StructuredOutputsParams
@@ -118,6 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 relaxed = relaxed_keywords(params.structured_outputs)
             self.validate_job(job, request)
             jobs.append(job)
+        beam = beam_search_params(request, jobs[0])  # use_beam_search; None: sampling
         headers = relaxed_headers(relaxed)
         self.metrics.observe_structured_output(relaxed)
         if options.echo:
@@ -131,7 +136,9 @@ class OpenAIServingCompletion(OpenAIServing):
             streamed = EventStreamResponse(self._stream(jobs, options, include_usage, continuous))
             streamed.headers.update(headers)
             return streamed
-        outputs = await run_until_disconnect(self.collect_all(jobs), receive)
+        work = (self.collect_all(jobs) if beam is None else
+                gather_or_cancel([collect_beam_search(self, job, beam) for job in jobs]))
+        outputs = await run_until_disconnect(work, receive)
         return JSONResponse(self._response(jobs, outputs, options).model_dump(mode="json"),
                             headers=headers)
 

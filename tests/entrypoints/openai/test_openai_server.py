@@ -349,6 +349,53 @@ def test_tokenize_round_trip(http, hf_tokenizer):
 
 
 # -- metrics and concurrency ---------------------------------------------------------------
+def test_beam_search_completions_and_chat(client, http, llama_dir, hf_tokenizer):
+    """use_beam_search with n: n distinct choices, best first, equal to the offline
+    LLM.beam_search sequences; streaming and sampling temperatures are 400s."""
+    from engine import BeamSearchParams
+    from tests.helpers.hf_reference import cpu_llm
+
+    beam = {"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5}
+    completion = client.completions.create(model=SERVED_NAME, prompt=PROMPT, n=3,
+                                           max_tokens=6, extra_body=beam)
+    texts = [c.text for c in completion.choices]
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3 and all(c.finish_reason == "length" for c in completion.choices)
+    assert completion.usage.completion_tokens == 18
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=messages, n=2,
+                                          max_tokens=5, extra_body=beam)
+    assert len({c.message.content for c in chat.choices}) == 2
+
+    llm = cpu_llm(llama_dir, max_model_len=MAX_MODEL_LEN)
+    try:
+        params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True,
+                                  length_penalty=0.5)
+        want = llm.beam_search(PROMPT, params)[0].sequences
+        assert texts == [hf_tokenizer.decode(s.generated_tokens, skip_special_tokens=True)
+                         for s in want]
+        rendered = llm.llm_engine.processor.apply_chat_template(messages)
+        ids = hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True,
+                                  length_penalty=0.5)
+        want = llm.beam_search({"prompt_token_ids": ids}, params)[0].sequences
+        assert [c.message.content for c in chat.choices] == [
+            hf_tokenizer.decode(s.generated_tokens, skip_special_tokens=True) for s in want]
+    finally:
+        llm.shutdown()
+
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "temperature": 0.7}),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "[ab]+"}),
+        ("/v1/chat/completions", {"messages": messages, "stream": True}),
+    ]:
+        response = http.post(path, json={"model": SERVED_NAME, "n": 2, "max_tokens": 3,
+                                         "use_beam_search": True, **body})
+        assert "use_beam_search" in _error(response, 400)["message"]
+
+
 def test_metrics_after_requests(server, client):
     before = httpx.get(server.url + "/metrics").text
     prompts_before = _metric(before, "engine:prompt_tokens_total")
@@ -503,3 +550,4 @@ def test_sigterm_ends_in_flight_stream_cleanly(server):
     assert finishes == {i: "abort" for i in range(32)}
     server.proc.wait(30)
     server.assert_no_orphans()
+
