@@ -18,7 +18,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler.stats import SpecDecodingStats
-from engine.entrypoints.pooling_api import PoolingAPI
+from engine.entrypoints.pooling_api import PoolingAPI, as_prompt_list
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class LLM(PoolingAPI):
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        return self._generate(_as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+        return self._generate(as_prompt_list(prompts), sampling_params, use_tqdm, priority)
 
     def _generate(
         self,
@@ -93,17 +93,24 @@ class LLM(PoolingAPI):
                 f"priority has {len(priority)} entries for {len(prompt_list)} prompts"
             )
         engine = self.llm_engine
+
+        def submit(i: int, request_id: str) -> None:
+            engine.add_request(request_id, prompt_list[i], params_list[i],
+                               priority=priority[i] if priority else 0,
+                               add_special_tokens=add_special_tokens)
+
+        return self._submit_and_run(submit, len(prompt_list), use_tqdm)
+
+    def _submit_and_run(self, submit: Any, count: int, use_tqdm: bool) -> list[Any]:
+        """Add ``count`` requests (``submit(i, request_id)``), run them all to completion
+        and return their final outputs in order; on any error (a bad prompt, Ctrl-C) the
+        requests already added are aborted, so none is left holding KV blocks."""
+        engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for i in range(count):
                 request_id = engine.next_request_id()
-                engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    priority=priority[i] if priority else 0,
-                    add_special_tokens=add_special_tokens,
-                )
+                submit(i, request_id)
                 request_ids.append(request_id)
             return self._run_to_completion(request_ids, use_tqdm)
         except BaseException:
@@ -154,7 +161,7 @@ class LLM(PoolingAPI):
         processor = self.llm_engine.processor
         eos_ids = eos_ids_of(processor)
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        for prompt in as_prompt_list(prompts):
             _, token_ids = processor._parse_prompt(prompt, add_special_tokens=True)
             processor._validate_prompt(token_ids)
             searches.append(
@@ -211,21 +218,6 @@ def _one_position(output: RequestOutput):
     generated nothing)."""
     completion = output.outputs[0]
     return completion.logprobs[0] if completion.logprobs else None
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, Sequence):
-        if len(prompts) == 0:
-            raise ValueError("no prompts given")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            return [list(prompts)]  # a single prompt given as token ids
-        return list(prompts)
-    raise ValueError(
-        f"prompts must be a string, a list of token ids, a dict or a list of those, "
-        f"not {type(prompts).__name__}"
-    )
 
 
 def _broadcast_params(

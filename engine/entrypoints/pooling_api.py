@@ -27,7 +27,7 @@ PoolingPrompt = str | list[int] | dict[str, Any]
 
 class PoolingAPI:
     """Mixed into :class:`engine.LLM` (which provides ``llm_engine`` and
-    ``_run_to_completion``)."""
+    ``_submit_and_run``)."""
 
     llm_engine: Any
 
@@ -114,29 +114,24 @@ class PoolingAPI:
               truncate_prompt_tokens: int | None, use_tqdm: bool,
               prompt_name: str | None = None) -> list[PoolingRequestOutput]:
         self._pooling_info()
-        prompt_list = _as_pooling_prompts(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _broadcast(pooling_params, len(prompt_list))
         if truncate_prompt_tokens is not None:
             params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens)
                            for p in params_list]
-        engine = self.llm_engine
-        request_ids: list[str] = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_id = engine.next_request_id()
-                pair = None
-                if isinstance(prompt, dict) and "text_pair" in prompt:
-                    prompt, pair = prompt["text"], prompt["text_pair"]
-                engine.add_pooling_request(request_id, prompt, params, task, text_pair=pair,
-                                           prompt_name=prompt_name)
-                request_ids.append(request_id)
-            return self._run_to_completion(request_ids, use_tqdm)
-        except BaseException:
-            engine.abort_request(request_ids)
-            raise
+
+        def submit(i: int, request_id: str) -> None:
+            prompt, pair = prompt_list[i], None
+            if isinstance(prompt, dict) and "text_pair" in prompt:
+                prompt, pair = prompt["text"], prompt["text_pair"]
+            self.llm_engine.add_pooling_request(request_id, prompt, params_list[i], task,
+                                                text_pair=pair, prompt_name=prompt_name)
+
+        return self._submit_and_run(submit, len(prompt_list), use_tqdm)
 
 
-def _as_pooling_prompts(prompts: Any) -> list[Any]:
+def as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text, token ids, a dict) or a list of them, as a list."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, Sequence):
