@@ -416,3 +416,19 @@ def json_list_region(region: str, pos: int, final: bool) -> RegionParse | None:
     if end == MISMATCH:
         return None
     return RegionParse(calls, region[end:] if end >= 0 else "")
+
+
+def take_json_arguments(region: str, start: int, call: PartialCall, final: bool) -> int:
+    """Read ``call``'s arguments, a JSON object starting at ``start``: set
+    ``call.arguments`` to as much of it as the region holds and return its end, or
+    INCOMPLETE (more text may finish it) or MISMATCH (not an object, or cut off in the
+    ``final`` text)."""
+    if start >= len(region):
+        return MISMATCH if final else INCOMPLETE
+    if region[start] != "{":
+        return MISMATCH
+    end = scan_json_value(region, start)
+    if end == MISMATCH or (end == INCOMPLETE and final):
+        return MISMATCH
+    call.arguments = region[start : end if end >= 0 else None]
+    return end

@@ -19,9 +19,9 @@ from engine.structured_output.tool_parsers._common import (
     RegionToolParser,
     expect,
     locate_markers,
-    scan_json_value,
     skip_ws,
     starts_any,
+    take_json_arguments,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -82,16 +82,9 @@ class DeepSeekV3ToolParser(RegionToolParser):
             return MISMATCH
         call = PartialCall(name)
         parsed.calls.append(call)
-        if start >= len(region):
-            return MISMATCH if final else INCOMPLETE
-        if region[start] != "{":
-            return MISMATCH
-        end = scan_json_value(region, start)
-        if end == MISMATCH or (end == INCOMPLETE and final):
-            return MISMATCH
-        call.arguments = region[start : end if end >= 0 else None]
-        if end == INCOMPLETE:
-            return INCOMPLETE
+        end = take_json_arguments(region, start, call, final)
+        if end < 0:
+            return end
         pos = skip_ws(region, end)
         if fenced:
             pos = expect(region, pos, FENCE_CLOSE)

@@ -21,9 +21,9 @@ from engine.structured_output.tool_parsers._common import (
     json_list_region,
     locate_markers,
     partial_suffix,
-    scan_json_value,
     skip_ws,
     starts_any,
+    take_json_arguments,
 )
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -69,14 +69,9 @@ class MistralToolParser(RegionToolParser):
             start = skip_ws(region, args_at + len(ARGS))
             call = PartialCall(name)
             parsed.calls.append(call)
-            if start >= len(region):
-                return None if final else parsed
-            if region[start] != "{":
+            end = take_json_arguments(region, start, call, final)
+            if end == MISMATCH:
                 return None
-            end = scan_json_value(region, start)
-            if end == MISMATCH or (end == INCOMPLETE and final):
-                return None
-            call.arguments = region[start : end if end >= 0 else None]
             if end == INCOMPLETE:
                 return parsed
             call.complete = True
