@@ -64,6 +64,11 @@ def _check_tool_call_parser(value: str) -> str:
               help="Seconds a generation request may take before its work is aborted and it "
                    "gets a 408; a request's x-request-timeout header overrides it (default: "
                    "none).")
+@click.option("--max-stored-responses", type=click.IntRange(min=0), default=1000,
+              show_default=True,
+              help="/v1/responses: how many stored responses (store: true, the default) are "
+                   "kept in memory for previous_response_id and GET /v1/responses/{id}; the "
+                   "least recently used is dropped first (0: none are kept).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
@@ -74,7 +79,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               reasoning_parser: str | None,
               timeout_graceful_shutdown: int, restart_engine_core: int,
               keep_alive_on_engine_death: bool, max_num_waiting: int | None,
-              request_timeout: float | None,
+              request_timeout: float | None, max_stored_responses: int,
               log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
     """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
     OpenAI-compatible HTTP API."""
@@ -107,6 +112,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         restart_engine_core=restart_engine_core,
         exit_on_engine_death=not keep_alive_on_engine_death,
         max_num_waiting=max_num_waiting, request_timeout=request_timeout,
+        max_stored_responses=max_stored_responses,
     )
     try:
         exit_code = run_server(engine, settings, log_level=log_level,

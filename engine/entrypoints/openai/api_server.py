@@ -10,7 +10,8 @@ documents every route's request body and responses (``openapi``).
 
 An engine started with ``--runner pooling`` serves the pooling routes (``pooling_routes``:
 /v1/embeddings, /pooling, /classify, /score, /rerank) and answers the completion routes
-with a 400; a generating engine answers the pooling routes with a 400.
+with a 400; a generating engine answers the pooling routes with a 400. /v1/responses (OpenAI's
+Responses API, ``serving_responses``) runs through the chat pipeline.
 
 Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections, in-flight requests may
 finish for ``timeout_graceful_shutdown`` seconds, then they are aborted in the engine (so
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import threading
@@ -56,6 +56,7 @@ from engine.entrypoints.openai.openapi import (
     json_body,
     streaming_ok,
 )
+from engine.entrypoints.openai.pooling_routes import POOLING_REQUEST_MODELS, add_pooling_routes
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -72,7 +73,12 @@ from engine.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from engine.entrypoints.openai.pooling_routes import POOLING_REQUEST_MODELS, add_pooling_routes
+from engine.entrypoints.openai.protocol_responses import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from engine.entrypoints.openai.request_body import (  # noqa: F401 - re-exported
     DEFAULT_MAX_JSON_DEPTH,
     json_nesting_depth,
@@ -89,6 +95,7 @@ from engine.entrypoints.openai.serving_base import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from engine.entrypoints.openai.serving_score import OpenAIServingScore
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from engine.structured_output.reasoning import get_reasoning_parser
@@ -174,6 +181,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     state = ServerState(engine, settings, metrics, pool, sampling_defaults=defaults)
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
+    responses = OpenAIServingResponses(chat, settings.max_stored_responses)
     tokenization = OpenAIServingTokenization(state)
     pooling = OpenAIServingScore(state)
     generates = pooling.info is None
@@ -259,6 +267,29 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
             raise pooling.generation_refused()
         request = await parse_body(raw_request, ChatCompletionRequest, max_depth)
         return await _guard(chat.create_chat_completion(request, raw_request.receive))
+
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest),
+              responses={**streaming_ok(ResponseObject, ResponseStreamEvent),
+                         **error_responses(*GENERATION_ERRORS)}, include_in_schema=generates)
+    async def create_response(raw_request: Request) -> Response:
+        if not generates:
+            raise pooling.generation_refused()
+        request = await parse_body(raw_request, ResponsesRequest, max_depth)
+        return await _guard(responses.create_response(request, raw_request.receive))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject,
+             responses=error_responses(400, 401, 404, 500), include_in_schema=generates)
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        if not generates:
+            raise pooling.generation_refused()
+        return JSONResponse(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse,
+                responses=error_responses(400, 401, 404, 500), include_in_schema=generates)
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not generates:
+            raise pooling.generation_refused()
+        return JSONResponse(responses.delete(response_id))
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest),
               response_model=TokenizeResponse, responses=error_responses(*TOKENIZE_ERRORS))

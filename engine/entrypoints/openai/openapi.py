@@ -28,10 +28,12 @@ from engine.entrypoints.openai.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
+from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.serving_base import ServerSettings
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+    DetokenizeRequest)
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: not JSON, nested too deeply, a number that is not finite, a "
@@ -138,6 +140,7 @@ def openapi_document(app: FastAPI, limits: OpenAPILimits,
         if not limits.priorities:
             bound(model, "priority", minimum=0, maximum=0)
     bound("ChatCompletionRequest", "max_completion_tokens", maximum=limits.max_tokens)
+    bound("ResponsesRequest", "max_output_tokens", maximum=limits.max_tokens)
     bound("CompletionRequest", "logprobs", maximum=limits.max_logprobs)
     bound("ChatCompletionRequest", "top_logprobs", maximum=limits.max_logprobs)
     if limits.vocab_size is not None:

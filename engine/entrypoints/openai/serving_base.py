@@ -91,6 +91,9 @@ class ServerSettings:
     # Seconds a generation request may take (x-request-timeout overrides it) before its
     # work is aborted and it is answered with a 408.
     request_timeout: float | None = None
+    # /v1/responses: how many stored responses (store: true) are kept in memory for
+    # previous_response_id and GET /v1/responses/{id}; the least recently used go first.
+    max_stored_responses: int = 1000
 
 
 @dataclass
@@ -513,7 +516,7 @@ async def gather_or_cancel(coroutines: list[Any]) -> list[Any]:
 # The routes that put work on the engine: generation, and pooling (engines started with
 # --runner pooling) -- both admitted against the same limit, with the same deadline.
 GENERATION_PATHS = frozenset({
-    "/v1/completions", "/v1/chat/completions",
+    "/v1/completions", "/v1/chat/completions", "/v1/responses",
     "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score",
     "/rerank", "/v1/rerank", "/v2/rerank",
 })

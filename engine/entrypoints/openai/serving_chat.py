@@ -21,6 +21,10 @@ With ``--reasoning-parser`` each choice's text is first split into its reasoning
 streamed as ``delta.reasoning_content`` / ``delta.reasoning``) and the rest; tool calls are
 read from the rest only (the engine core likewise constrains only the tokens after the
 reasoning).
+
+The steps are reusable (``/v1/responses`` runs through them): :meth:`OpenAIServingChat.
+prepare` validates a request and builds its engine job, :meth:`~OpenAIServingChat.choice`
+reads a finished output, :meth:`~OpenAIServingChat.iterate_deltas` a streamed one.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from fastapi.responses import JSONResponse, Response
 
-from engine.core.outputs import CompletionOutput, PositionLogprobs
+from engine.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from engine.core.sampling_params import RequestOutputKind
 from engine.core.tokenizer import TokenDecoder
 from engine.entrypoints.openai.errors import bad_request, from_value_error
@@ -105,6 +110,30 @@ class _Options:
         return reason
 
 
+@dataclass
+class PreparedChat:
+    """A validated chat request, ready to run: its engine job, how to read its outputs,
+    the response headers (``x-structured-output-relaxed``) and beam search (None:
+    sampling)."""
+
+    job: GenerationJob
+    options: _Options
+    headers: dict[str, str]
+    beam: Any = None
+
+
+@dataclass
+class DeltaBatch:
+    """What one engine output adds to a streamed chat request: the choices with new
+    content (reasoning, text, tool-call pieces or logprobs), the choices that finished
+    (an empty delta with finish_reason), and the output itself (token counts, cache)."""
+
+    content: list[ChatStreamChoice]
+    finished: list[ChatStreamChoice]
+    output: RequestOutput
+    new_tokens: int
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -114,9 +143,40 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      receive: Callable) -> Response:
+        prepared = await self.prepare(request)
+        job, options, beam = prepared.job, prepared.options, prepared.beam
+        if request.stream:
+            stream_options = request.stream_options
+            include_usage = bool(stream_options and stream_options.include_usage)
+            continuous = bool(stream_options and stream_options.continuous_usage_stats)
+            streamed = EventStreamResponse(self._stream(job, options, include_usage, continuous))
+            streamed.headers.update(prepared.headers)
+            return streamed
+        work = self.collect(job) if beam is None else collect_beam_search(self, job, beam)
+        output = await run_until_disconnect(work, receive)
+        choices = [self.choice(c, options)
+                   for c in sorted(output.outputs, key=lambda c: c.index)]
+        prompt_tokens = len(job.prompt.token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        response = ChatCompletionResponse(
+            id=options.request_id, created=options.created, model=self.model_name,
+            choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens),
+            prompt_logprobs=(serialize_prompt_logprobs(job.prompt_logprobs)
+                             if request.prompt_logprobs is not None else None),
+            kv_transfer_params=output.kv_transfer_params)
+        return JSONResponse(response.model_dump(mode="json"), headers=prepared.headers)
+
+    async def prepare(self, request: ChatCompletionRequest,
+                      endpoint: str = "/v1/chat/completions",
+                      request_id: str | None = None) -> PreparedChat:
+        """Validate ``request`` and build its engine job (every 400 is raised here, before
+        any response starts). The Responses API (``serving_responses``) runs its requests,
+        translated to chat requests, through this same step."""
         self.check_model(request.model)
         await self.check_alive()
-        self.log_ignored_fields(request, "/v1/chat/completions")
+        self.log_ignored_fields(request, endpoint)
         _reject_unsupported(request)
         structured = self.structured_outputs(request)  # validates tools / tool_choice too
         structured = server_structured_outputs(structured, self.engine)
@@ -143,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested, param, minimum=1,
                                              prompt_param="messages")
         options = _Options(
-            request_id=random_id("chatcmpl"), created=now_s(),
+            request_id=request_id or random_id("chatcmpl"), created=now_s(),
             n=1 if request.n is None else request.n,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             tools=handler, reasoning=self.reasoning_parser)
@@ -164,28 +224,7 @@ class OpenAIServingChat(OpenAIServing):
         beam = beam_search_params(request, job)  # use_beam_search; None: sampling
         headers = relaxed_headers(relaxed)
         self.metrics.observe_structured_output(relaxed)
-        if request.stream:
-            stream_options = request.stream_options
-            include_usage = bool(stream_options and stream_options.include_usage)
-            continuous = bool(stream_options and stream_options.continuous_usage_stats)
-            streamed = EventStreamResponse(self._stream(job, options, include_usage, continuous))
-            streamed.headers.update(headers)
-            return streamed
-        work = self.collect(job) if beam is None else collect_beam_search(self, job, beam)
-        output = await run_until_disconnect(work, receive)
-        choices = [self._choice(c, options)
-                   for c in sorted(output.outputs, key=lambda c: c.index)]
-        prompt_tokens = len(prompt.token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        response = ChatCompletionResponse(
-            id=options.request_id, created=options.created, model=self.model_name,
-            choices=choices,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens),
-            prompt_logprobs=(serialize_prompt_logprobs(job.prompt_logprobs)
-                             if request.prompt_logprobs is not None else None),
-            kv_transfer_params=output.kv_transfer_params)
-        return JSONResponse(response.model_dump(mode="json"), headers=headers)
+        return PreparedChat(job, options, headers, beam)
 
     def _tool_handler(self, request: ChatCompletionRequest) -> ToolCallHandler | None:
         """The request's tool handling; None when there are no tools or they are off."""
@@ -199,7 +238,7 @@ class OpenAIServingChat(OpenAIServing):
             raise from_value_error(exc, param) from exc
         return None if handler.choice.mode == "none" else handler
 
-    def _choice(self, completion: CompletionOutput, options: _Options) -> ChatCompletionChoice:
+    def choice(self, completion: CompletionOutput, options: _Options) -> ChatCompletionChoice:
         """One finished choice: its text split into content and tool calls."""
         if (failure := structured_output_failure(completion)) is not None:
             raise failure
@@ -217,6 +256,8 @@ class OpenAIServingChat(OpenAIServing):
             index=completion.index, message=message, logprobs=self._logprobs(completion, options),
             finish_reason=options.finish_reason(completion.finish_reason, called),
             stop_reason=completion.stop_reason)
+
+    _choice = choice  # the older name
 
     async def render(self, messages: list[ChatMessageParam], chat_template: str | None,
                      add_generation_prompt: bool, continue_final_message: bool,
@@ -247,16 +288,42 @@ class OpenAIServingChat(OpenAIServing):
                              options.top_logprobs, self.decoder)
 
     # -- streaming ------------------------------------------------------------------------
-    async def _stream(self, job: GenerationJob, options: _Options, include_usage: bool,
-                      continuous_usage: bool) -> AsyncIterator[str]:
-        prompt_tokens = len(job.prompt.token_ids)
-        completion_tokens = 0
+    async def iterate_deltas(self, job: GenerationJob, options: _Options
+                             ) -> AsyncIterator[DeltaBatch]:
+        """The job's (a DELTA job's) outputs as chat deltas: reasoning split, tool-call
+        pieces parsed, per choice; a structured-output failure is raised."""
         handler = options.tools
         streams: dict[int, ToolCallStream] = (
             {i: handler.stream() for i in range(options.n)} if handler is not None else {})
         reasoning_streams: dict[int, ReasoningStream] = (
             {i: options.reasoning.stream() for i in range(options.n)}
             if options.reasoning is not None else {})
+        async with contextlib.aclosing(self.iterate(job)) as outputs:
+            async for output in outputs:
+                content, finished, new_tokens = [], [], 0
+                for c in output.outputs:
+                    if (failure := structured_output_failure(c)) is not None:
+                        raise failure
+                    new_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(c, options)
+                    delta = _delta(streams.get(c.index), reasoning_streams.get(c.index), c)
+                    if (delta.content or delta.tool_calls or delta.reasoning_content
+                            or (logprobs is not None and logprobs.content)):
+                        content.append(ChatStreamChoice(
+                            index=c.index, delta=delta, logprobs=logprobs))
+                    if c.finish_reason is not None:
+                        stream = streams.get(c.index)
+                        called = stream is not None and stream.tools_called
+                        finished.append(ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(),
+                            finish_reason=options.finish_reason(c.finish_reason, called),
+                            stop_reason=c.stop_reason))
+                yield DeltaBatch(content, finished, output, new_tokens)
+
+    async def _stream(self, job: GenerationJob, options: _Options, include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+        prompt_tokens = len(job.prompt.token_ids)
+        completion_tokens = 0
 
         def usage() -> UsageInfo:
             return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -272,27 +339,10 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                       content=""))
                          for i in range(options.n)], continuous_usage)
-            async with contextlib.aclosing(self.iterate(job)) as outputs:
-                async for output in outputs:
-                    content, finished = [], []
-                    for c in output.outputs:
-                        if (failure := structured_output_failure(c)) is not None:
-                            raise failure
-                        completion_tokens += len(c.token_ids)
-                        logprobs = self._logprobs(c, options)
-                        delta = _delta(streams.get(c.index), reasoning_streams.get(c.index), c)
-                        if (delta.content or delta.tool_calls or delta.reasoning_content
-                                or (logprobs is not None and logprobs.content)):
-                            content.append(ChatStreamChoice(
-                                index=c.index, delta=delta, logprobs=logprobs))
-                        if c.finish_reason is not None:
-                            stream = streams.get(c.index)
-                            called = stream is not None and stream.tools_called
-                            finished.append(ChatStreamChoice(
-                                index=c.index, delta=DeltaMessage(),
-                                finish_reason=options.finish_reason(c.finish_reason, called),
-                                stop_reason=c.stop_reason))
-                    for choices in (content, finished):  # finish in a chunk of its own
+            async with contextlib.aclosing(self.iterate_deltas(job, options)) as batches:
+                async for batch in batches:
+                    completion_tokens += batch.new_tokens
+                    for choices in (batch.content, batch.finished):  # finish on its own
                         if choices:
                             yield chunk(choices, continuous_usage)
             if include_usage:

@@ -299,7 +299,8 @@ def test_routes_a_model_does_not_serve_are_clear_400s(setup):
     with pytest.raises(openai.BadRequestError, match="does not support embeddings"):
         _client(setup.generate).embeddings.create(model=SERVED_NAME, input="x")
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/responses", {"input": "x"})):
         _assert_error(_post(setup.embed, path, body), 400, "model", "does not generate text")
 
 

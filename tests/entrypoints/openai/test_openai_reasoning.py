@@ -115,6 +115,28 @@ def test_structured_output_applies_after_reasoning(client):
     assert (reasoning, content) == ("plan", "no")
 
 
+def test_responses_reasoning_item(client):
+    # /v1/responses: the reasoning is an output item of its own, before the message.
+    resp = client.responses.create(model=SERVED_NAME, input="What is the plan?", temperature=0,
+                                   max_output_tokens=NUM_CYCLE_TOKENS - 1)
+    reasoning, message = resp.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.summary == [] and reasoning.content[0].type == "reasoning_text"
+    assert reasoning.content[0].text == "plan"
+    assert message.type == "message" and resp.output_text == "yes"
+    assert resp.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(model=SERVED_NAME, input="What is the plan?",
+                                          temperature=0, stream=True,
+                                          max_output_tokens=NUM_CYCLE_TOKENS - 1))
+    types = [e.type for e in events]
+    first_text = types.index("response.output_text.delta")
+    assert "response.reasoning_text.done" in types[:first_text]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == "plan"
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    assert events[-1].response.output_text == "yes"
+
+
 def test_unknown_parser_is_a_cli_error():
     from engine.cli import main
 

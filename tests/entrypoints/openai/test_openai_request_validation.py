@@ -283,7 +283,7 @@ def test_openapi_documents_every_request_body_and_response(client, engine):
     document = response.json()
     want = {"/v1/completions": "CompletionRequest",
             "/v1/chat/completions": "ChatCompletionRequest",
-            "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+            "/v1/responses": "ResponsesRequest", "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
     posts = {path: ops["post"] for path, ops in document["paths"].items() if "post" in ops}
     assert set(posts) == set(want)
     for path, operation in posts.items():
@@ -300,7 +300,7 @@ def test_openapi_documents_every_request_body_and_response(client, engine):
                 assert error_schema == {"$ref": "#/components/schemas/ErrorResponse"}
         ok = responses["200"]["content"]["application/json"]["schema"]
         assert _resolve(document, ok)["type"] == "object"
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = posts[path]["responses"]
         assert {"429", "503"} <= set(responses)
         assert "text/event-stream" in responses["200"]["content"]
