@@ -18,7 +18,9 @@
    ``items``, lengths, bounds) stays enforced. The backend with the fewest relaxed
    keywords wins (llguidance on a tie). The plan names them (:attr:`CompilePlan.relaxed`).
 4. Only if no backend compiles even its relaxed schema does the backend's own best-effort
-   mode remain (``lenient``; the plan then names what the audit found, or ``*``).
+   mode remain (``lenient``; the plan then names what the audit found, or ``*``); for
+   xgrammar on the lowered schema, so the keywords beside an ``anyOf`` (the root type)
+   stay in its branches.
 
 A request with ``strict`` (OpenAI's ``json_schema.strict``, or the engine default) is
 refused when the plan relaxes anything: :func:`check_strict` raises a ValueError naming
@@ -45,6 +47,7 @@ from engine.structured_output import ecma_regex
 from engine.structured_output.json_schema import (
     ANNOTATIONS,
     hoist_deep_refs,
+    inline_recursive_refs,
     lower_compositions,
     resolve_local_ref,
     subschemas,
@@ -78,6 +81,7 @@ LLGUIDANCE_UNSUPPORTED = frozenset(
 )
 BEST_EFFORT = "*"  # the relaxed "keyword" of a backend's own best-effort mode
 _PLAN_CACHE_SIZE = 1024
+_MAX_BRANCH_PRODUCT = 64  # anyOf x oneOf pairs written out for xgrammar
 _MAX_ROUNDS = 8  # error-driven relaxation rounds (llguidance names one problem at a time)
 
 CHECK_STATS = CompileStats()  # this process's plan lookups (the front end's "check" stage)
@@ -217,12 +221,13 @@ def _make_plan(
         _, _, name, attempt, keywords = min(relaxed, key=lambda r: (r[0], r[1]))
         return CompilePlan(name, attempt, tuple(sorted(keywords)), reasons=reasons)
     for name in (n for n in LENIENT_ORDER if n in names):  # the backends' own best effort
+        attempt, lost = _lenient_for(name, prepared)
         try:
-            backend_class(name).check(prepared, True)
+            backend_class(name).check(attempt, True)
         except ValueError:
             continue
-        found = _audit(name, prepared.json) or {BEST_EFFORT}
-        return CompilePlan(name, prepared, tuple(sorted(found)), lenient=True, reasons=reasons)
+        found = (_audit(name, attempt.json) | lost) or {BEST_EFFORT}
+        return CompilePlan(name, attempt, tuple(sorted(found)), lenient=True, reasons=reasons)
     raise ValueError("invalid structured output constraint: " + "; ".join(errors))
 
 
@@ -238,6 +243,23 @@ def _lowered_for(name: str, params: StructuredOutputsParams) -> StructuredOutput
     if lost:
         return params  # not exact: the strict attempt sees the schema as written
     return params.derive(json=lowered)
+
+
+def _lenient_for(
+    name: str, params: StructuredOutputsParams
+) -> tuple[StructuredOutputsParams, set[str]]:
+    """What ``name``'s best-effort mode compiles. xgrammar's takes the branches of an
+    ``anyOf`` beside other keywords alone (an object-rooted schema then took ``[1.0]``):
+    it gets the schema with compositions lowered (siblings copied into the branches), and
+    the keywords lowering could not keep exact."""
+    if name != "xgrammar" or params.kind != "json":
+        return params, set()
+    try:
+        lowered, lost = lower_compositions(params.json)
+    except Exception:
+        logger.debug("could not lower the schema's compositions", exc_info=True)
+        return params, set()
+    return params.derive(json=lowered), set(lost)
 
 
 def _with_backend_regexes(params: StructuredOutputsParams) -> StructuredOutputsParams:
@@ -316,14 +338,22 @@ def _relax_for_xgrammar(schema: Any) -> tuple[Any, set[str]]:
         if isinstance(node.get("oneOf"), list):
             keywords.add("oneOf")  # xgrammar enforces a oneOf as an anyOf
             branches = node.pop("oneOf")
-            if not isinstance(node.get("anyOf"), list):
+            others = node.get("anyOf")
+            if not isinstance(others, list):
                 node["anyOf"] = branches
+            elif len(others) * len(branches) <= _MAX_BRANCH_PRODUCT:
+                # Both: one anyOf of every pair (merged by lowering, below).
+                node["anyOf"] = [{"allOf": [a, b]} for a in others for b in branches]
+            else:
+                keywords.add("anyOf")  # too many pairs: the oneOf's branches go too
         ref = node.get("$ref")
         if isinstance(ref, str) and (
             not ref.startswith("#") or resolve_local_ref(schema, ref) is None
         ):
             del node["$ref"]  # another document: anything
             keywords.add("$ref")
+    schema, lost = inline_recursive_refs(schema)  # their siblings (root type) stay
+    keywords |= lost
     schema, lost = lower_compositions(schema)  # anyOf from oneOf may have siblings
     keywords |= lost
     for node in subschemas(schema):
@@ -331,9 +361,10 @@ def _relax_for_xgrammar(schema: Any) -> tuple[Any, set[str]]:
             del node[key]
             keywords.add(key)
         if isinstance(node.get("$ref"), str) and set(node) - {"$ref"} - ANNOTATIONS:
-            # A reference that could not be inlined (recursive): its siblings go.
+            # A reference that could not be inlined: its siblings go (and are named).
             for key in [k for k in node if k != "$ref" and k not in ANNOTATIONS]:
                 del node[key]
+                keywords.add(key)
             keywords.add("$ref")
         if isinstance(node.get("anyOf"), list) and set(node) - {"anyOf"} - ANNOTATIONS:
             # Still beside other keywords (a branch that did not merge): the branches go,

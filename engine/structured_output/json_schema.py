@@ -6,8 +6,11 @@ references that point inside other subschemas)."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Keywords whose value maps names to subschemas, and keywords whose value is data.
 _SCHEMA_MAPS = frozenset(
@@ -103,7 +106,10 @@ def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
     if any("allOf" in n or ("$ref" in n and "properties" in n) for n in subschemas(schema)):
         return schema
     closed = copy.deepcopy(schema)
+    exclusive = _under_exclusive_compositions(closed)
     for node in subschemas(closed):
+        if id(node) in exclusive:
+            continue
         if (
             isinstance(node.get("properties"), dict)
             and not any(k in node for k in _EXTRA_PROPERTY_KEYWORDS)
@@ -111,6 +117,167 @@ def close_objects(schema: dict[str, Any]) -> dict[str, Any]:
         ):
             node["additionalProperties"] = False
     return closed
+
+
+def _under_exclusive_compositions(root: Any) -> set[int]:
+    """ids of the schema objects inside a ``oneOf`` branch or a ``not`` (and of what their
+    local references reach): closing an object there would not narrow the whole schema
+    (a document matching two ``oneOf`` branches would then match one, and be accepted)."""
+    found: set[int] = set()
+    stack: list[Any] = []
+    for node in subschemas(root):
+        branches = node.get("oneOf")
+        if isinstance(branches, list):
+            stack.extend(branches)
+        if isinstance(node.get("not"), dict):
+            stack.append(node["not"])
+    while stack:
+        for node in subschemas(stack.pop()):
+            if id(node) in found:
+                continue
+            found.add(id(node))
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                target = resolve_local_ref(root, ref)
+                if isinstance(target, dict) and id(target) not in found:
+                    stack.append(target)
+    return found
+
+
+def restrict_enums(schema: Any) -> Any:
+    """A copy in which an ``enum`` / ``const`` beside other constraints keeps only the
+    values those constraints accept, and stands alone (``{"anyOf": []}``, which nothing
+    matches, when no value is left): xgrammar enforces an ``enum`` / ``const`` alone and
+    ignores the rest of its subschema (``{"type": "integer", "const": "x"}`` took
+    ``"x"``). Same meaning; ``schema`` itself when there is nothing to restrict."""
+    if not isinstance(schema, dict) or not any(
+        _enum_with_siblings(n) for n in subschemas(schema)
+    ):
+        return schema
+    import jsonschema
+
+    root = copy.deepcopy(schema)
+    defs = {k: root[k] for k in ("definitions", "$defs") if isinstance(root.get(k), dict)}
+    for node in list(subschemas(root)):
+        if not _enum_with_siblings(node):
+            continue
+        values = [node["const"]] if "const" in node else node.get("enum")
+        if not isinstance(values, list):
+            continue
+        rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
+        try:
+            check = jsonschema.validators.validator_for(root)({**defs, **rest})
+            kept = [v for v in values if check.is_valid(v)]
+            if "const" in node and "enum" in node:
+                kept = [v for v in kept if v in node["enum"]]
+        except Exception:  # an unresolvable reference ...: left as it is
+            logger.debug("could not check an enum against its siblings", exc_info=True)
+            continue
+        kept_defs = {k: node[k] for k in _NOT_MERGED if k in node}  # refs point there
+        node.clear()
+        node.update({"enum": kept} if kept else {"anyOf": []}, **kept_defs)
+    _prune_never_branches(root)
+    return root
+
+
+def whole_integer_bounds(schema: Any) -> Any:
+    """A copy in which the bounds of an ``integer`` are whole numbers (``minimum: 0.5`` ->
+    ``1``, ``exclusiveMaximum: 2.5`` -> ``maximum: 2``): same meaning, and what xgrammar
+    compiles (it refuses a fractional bound, which merging ``allOf`` / ``anyOf`` branches
+    can produce). ``schema`` itself when there is nothing to change."""
+    if not isinstance(schema, dict) or not any(
+        _fractional_integer_bound(n) for n in subschemas(schema)
+    ):
+        return schema
+    import math
+
+    root = copy.deepcopy(schema)
+    for node in subschemas(root):
+        if not _fractional_integer_bound(node):
+            continue
+        for key, lower in (("minimum", True), ("maximum", False),
+                           ("exclusiveMinimum", True), ("exclusiveMaximum", False)):
+            value = node.get(key)
+            if not _numbers(value) or (isinstance(value, float) and value.is_integer()
+                                       and not key.startswith("exclusive")):
+                if _numbers(value) and isinstance(value, float):
+                    node[key] = int(value)
+                continue
+            if key.startswith("exclusive"):
+                if isinstance(value, float) and not value.is_integer():
+                    bound = math.ceil(value) if lower else math.floor(value)
+                else:
+                    bound = int(value) + (1 if lower else -1)
+                del node[key]
+                plain = "minimum" if lower else "maximum"
+                old = node.get(plain)
+                if _numbers(old):
+                    old = math.ceil(old) if lower else math.floor(old)
+                    bound = max(bound, old) if lower else min(bound, old)
+                node[plain] = bound
+            else:
+                node[key] = math.ceil(value) if lower else math.floor(value)
+    return root
+
+
+def _fractional_integer_bound(node: dict[str, Any]) -> bool:
+    if node.get("type") != "integer":
+        return False
+    return any(
+        isinstance(node.get(k), float)
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    )
+
+
+# A schema no value matches, in a form xgrammar compiles to nothing: it reads an empty
+# ``anyOf`` as the empty string (``[, ]`` was accepted for ``items: {"anyOf": []}``).
+NEVER = {"type": "string", "pattern": "[^\\s\\S]"}
+
+
+def never_as_pattern(schema: Any) -> Any:
+    """A copy in which every empty ``anyOf`` / ``oneOf`` (nothing matches) is dropped
+    from the compositions it is a branch of, and is :data:`NEVER` elsewhere; ``schema``
+    itself when it has none."""
+    if not isinstance(schema, dict) or not any(
+        _is_never(n) or n.get("oneOf") == [] for n in subschemas(schema)
+    ):
+        return schema
+    root = copy.deepcopy(schema)
+    for node in subschemas(root):
+        if node.get("oneOf") == []:
+            node["anyOf"] = node.pop("oneOf")
+    _prune_never_branches(root)
+    for node in subschemas(root):
+        if _is_never(node):
+            kept_defs = {k: node[k] for k in _NOT_MERGED if k in node}
+            node.clear()
+            node.update(NEVER, **kept_defs)
+    return root
+
+
+def _is_never(node: Any) -> bool:
+    return node is False or isinstance(node, dict) and node.get("anyOf") == []
+
+
+def _prune_never_branches(root: Any) -> None:
+    """Drop the branches nothing matches from every ``anyOf`` / ``oneOf`` (same meaning):
+    xgrammar reads an empty ``anyOf`` that is itself a branch as the empty string."""
+    for _ in range(16):
+        changed = False
+        for node in subschemas(root):
+            for key in ("anyOf", "oneOf"):
+                branches = node.get(key)
+                if isinstance(branches, list) and any(_is_never(b) for b in branches):
+                    node[key] = [b for b in branches if not _is_never(b)]
+                    changed = True
+        if not changed:
+            return
+
+
+def _enum_with_siblings(node: dict[str, Any]) -> bool:
+    return ("enum" in node or "const" in node) and bool(
+        set(node) - {"enum", "const"} - ANNOTATIONS
+    )
 
 
 def declare_required(schema: dict[str, Any]) -> dict[str, Any]:
@@ -428,6 +595,8 @@ def _lower_node(
                     ref = branch.get("$ref")
                     if not (isinstance(ref, str) and refs.recursive(ref)):
                         branch = _deref(root, branch, inner)
+                    if _disjoint_types(siblings, branch):
+                        continue  # nothing matches both: the branch goes (same meaning)
                     merged, more = merge_schemas(siblings, branch)
                     inner |= more
                     new_branches.append(merged)
@@ -442,6 +611,43 @@ def _lower_node(
         else:
             return
         continue
+
+
+def inline_recursive_refs(schema: Any) -> tuple[Any, set[str]]:
+    """A copy in which every local ``$ref`` that lies on a cycle of references and stands
+    beside other keywords (``{"type": "object", "$ref": "#/definitions/node"}``) is
+    replaced, once, by its target merged with those keywords (the references inside the
+    copy still point to the definition, which stands alone: the recursion is kept).
+    :func:`lower_compositions` leaves those references as they are, and a backend that
+    then took the reference alone lost the keywords beside it (the root ``type``).
+    Also returns the keywords that could not be merged exactly."""
+    if not isinstance(schema, dict):
+        return schema, set()
+    root = copy.deepcopy(schema)
+    refs = _RefGraph(root)
+    lost: set[str] = set()
+    for node in list(subschemas(root)):
+        ref = node.get("$ref")
+        if (
+            isinstance(ref, str)
+            and ref.startswith("#")
+            and set(node) - {"$ref"} - ANNOTATIONS - _NOT_MERGED
+            and refs.recursive(ref)
+        ):
+            inner: set[str] = set()
+            replaced = _deref(root, node, inner)
+            if inner:
+                lost.add("$ref")
+            _replace(node, replaced)
+    return root, lost
+
+
+def _disjoint_types(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``a`` and ``b`` both name types, and no value has a type of each."""
+    if "type" not in a or "type" not in b or "$ref" in b:
+        return False
+    ta, tb = _types(a["type"]), _types(b["type"])
+    return ta is not None and tb is not None and _merge_types(ta and list(ta), list(tb)) is None
 
 
 def _replace(node: dict[str, Any], new: dict[str, Any]) -> None:

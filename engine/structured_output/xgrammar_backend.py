@@ -26,8 +26,11 @@ from engine.structured_output.json_schema import (
     ANNOTATIONS,
     composed_with_siblings,
     declare_required,
+    never_as_pattern,
+    restrict_enums,
     subschemas,
     used_keywords,
+    whole_integer_bounds,
 )
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -277,7 +280,14 @@ def _convert(params: StructuredOutputsParams, compiler: Any, verb: str, lenient:
     try:
         if kind in ("json", "json_object"):
             # xgrammar writes only declared properties: declare the required ones.
-            schema = declare_required(params.json) if kind == "json" else {"type": "object"}
+            # It also takes an enum / const alone: keep only the values the rest allows.
+            schema = (
+                never_as_pattern(
+                    restrict_enums(whole_integer_bounds(declare_required(params.json)))
+                )
+                if kind == "json"
+                else {"type": "object"}
+            )
             ebnf = json_schema_ebnf(schema, not params.disable_any_whitespace)
             return compiler.compile_grammar(ebnf)
         if kind == "regex":
