@@ -137,13 +137,18 @@ class EmbeddingData(OpenAIBaseModel):
     embedding: list[float] | str  # str: base64
 
 
-class EmbeddingResponse(OpenAIBaseModel):
+class _ListResponse(OpenAIBaseModel):
+    """What every pooling route's response shares (vLLM's shapes); ``data`` per route."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=now_s)
     model: str
-    data: list[EmbeddingData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingData]
 
 
 class PoolingData(OpenAIBaseModel):
@@ -153,13 +158,8 @@ class PoolingData(OpenAIBaseModel):
                                   "flattened little-endian float32 values")
 
 
-class PoolingResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
+class PoolingResponse(_ListResponse):
     data: list[PoolingData]
-    usage: UsageInfo
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -169,13 +169,8 @@ class ClassificationData(OpenAIBaseModel):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
+class ClassificationResponse(_ListResponse):
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 class ScoreData(OpenAIBaseModel):
@@ -184,13 +179,8 @@ class ScoreData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=now_s)
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreData]
-    usage: UsageInfo
 
 
 class RerankUsage(OpenAIBaseModel):
