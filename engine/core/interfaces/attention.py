@@ -142,6 +142,15 @@ class AttentionLayerSpec:
     # ``w`` keeps the keys within ``w // 2`` positions on either side (ModernBERT's
     # ``local_attention``).
     causal: bool = True
+    # Chunked local attention (Llama 4's ``attention_chunk_size``): a query at position
+    # ``p`` attends causally only to keys in its own chunk, positions ``C * (p // C) ..=
+    # p``. Combined with no sliding window.
+    attention_chunk_size: int | None = None
+    # Learned attention sinks (GPT-OSS): one extra logit per query head,
+    # ``AttentionImpl.sinks[h]`` (float32, this rank's heads), joins each row's softmax
+    # denominator without contributing a value: ``out = sum_j e^{s_j} v_j / (e^{sink_h} +
+    # sum_j e^{s_j})`` (after scale and soft-capping of the ``s_j``; the sink is not capped).
+    use_sinks: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -157,6 +166,9 @@ class AttentionImpl(ABC):
 
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # ``spec.use_sinks``: the layer's sink logits, float32 [num_heads] on the backend's
+    # device, set by the attention layer when its weights are loaded.
+    sinks: "torch.Tensor | None" = None
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         self.spec = spec
@@ -245,6 +257,16 @@ class AttentionBackend(ABC):
         return True
 
     @classmethod
+    def supports_attention_sinks(cls) -> bool:
+        """Whether the kernels add learned per-head sink logits (``spec.use_sinks``)."""
+        return False
+
+    @classmethod
+    def supports_chunked_local_attention(cls) -> bool:
+        """Whether the kernels restrict queries to their chunk (``spec.attention_chunk_size``)."""
+        return False
+
+    @classmethod
     def supports_encoder_attention(cls) -> bool:
         """Whether the kernels run non-causal encoder layers (``spec.causal`` False)."""
         return False
@@ -270,6 +292,11 @@ class AttentionBackend(ABC):
             return f"{cls.name} supports block sizes {blocks}, not {block_size}"
         if spec.sliding_window is not None and not cls.supports_sliding_window():
             return f"{cls.name} does not support sliding-window attention"
+        if spec.use_sinks and (spec.is_mla or not cls.supports_attention_sinks()):
+            return f"{cls.name} has no attention sinks"
+        if spec.attention_chunk_size is not None and (
+                spec.is_mla or not cls.supports_chunked_local_attention()):
+            return f"{cls.name} has no chunked local attention"
         if not spec.causal and (spec.is_mla or not cls.supports_encoder_attention()):
             return f"{cls.name} has no non-causal (encoder) attention"
         return None

@@ -111,6 +111,8 @@ class ModelKVSpec:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     # MLA: one latent entry of head_size per token (num_kv_heads 1), no separate values.
     mla: bool = False
+    # Per layer: chunked local attention's chunk size (None: none); empty: no layer chunked.
+    attention_chunk_sizes: tuple[int | None, ...] = ()
 
     @property
     def sliding_window(self) -> int | None:
