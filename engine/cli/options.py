@@ -140,6 +140,13 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Keys set on the model's HF config, as a JSON object (vLLM's), e.g. "
                       "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                       "\"classifier_from_token\": [\"no\", \"yes\"]}' for Qwen3-Reranker."),
+    click.option("--model-impl", "model_impl",
+                 type=click.Choice(["auto", "engine", "transformers"]), default="auto",
+                 show_default=True,
+                 help="Which implementation runs the model: engine (the built-in classes), "
+                      "transformers (the Transformers modeling backend: any transformers "
+                      "decoder on the engine's paged attention), auto (engine when the "
+                      "architecture is built in, else transformers)."),
 ]
 
 ENGINE_OPTION_NAMES = (
@@ -149,7 +156,7 @@ ENGINE_OPTION_NAMES = (
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
-    "kv_transfer_config", "runner", "convert", "hf_overrides",
+    "kv_transfer_config", "runner", "convert", "hf_overrides", "model_impl",
 )
 
 

@@ -47,9 +47,23 @@ def plugins_report(registry: PluginRegistry) -> dict[str, Any]:
             for info in registry.plugins()
         ],
         "auto": auto.name if auto is not None else None,
+        "transformers_backend": _transformers_backend(),
         "allowlist": registry.allowlist,
         "warnings": list(registry.warnings),
     }
+
+
+def _transformers_backend() -> dict[str, Any]:
+    """The Transformers modeling backend (``--model-impl``): what runs an architecture
+    without a registered class."""
+    try:
+        from importlib.metadata import version
+
+        found = version("transformers")
+    except Exception:  # noqa: BLE001 - not installed: the backend is unavailable
+        found = None
+    return {"available": found is not None, "transformers": found,
+            "model_impls": ["auto", "engine", "transformers"]}
 
 
 def _name(item: Any) -> str:
@@ -220,6 +234,10 @@ def render_table(report: dict[str, Any]) -> str:
         if contributions.get(key):
             lines.append(f"{label}: " + ", ".join(
                 f"{c['name']} ({c['plugin']})" for c in contributions[key]))
+    backend = report.get("transformers_backend") or {}
+    if backend.get("available"):
+        lines.append(f"transformers backend: transformers {backend['transformers']} runs any "
+                     "other decoder (--model-impl auto | transformers)")
     lines.extend(f"error: {e}" for e in report.get("contribution_errors", []))
     lines.append(f"--device auto -> {report['auto'] or '(no platform available)'}")
     if report["allowlist"] is not None:
@@ -229,20 +247,22 @@ def render_table(report: dict[str, Any]) -> str:
 
 
 def model_kernels_report(model: str, device: str, quantization: str | None,
-                         dtype: str) -> dict[str, Any]:
+                         dtype: str, model_impl: str = "auto") -> dict[str, Any]:
     """Load ``model`` on the platform of ``device`` as the engine would and report which
     GEMM kernel each layer type got (and the quantization scheme and weight bytes)."""
     from engine.core.engine_args import EngineArgs
     from engine.core.plugins import resolve_platform
     from engine.model_executor import kernel_report
+    from engine.model_executor.models.transformers_backend.support import implementation_of
     from engine.model_executor.worker import load_platform_model
 
     config = EngineArgs(model=model, device=device, quantization=quantization,
-                        dtype=dtype).create_engine_config()
+                        dtype=dtype, model_impl=model_impl).create_engine_config()
     platform = resolve_platform(config.device.device)
     platform.check_and_update_config(config)
     net, backend = load_platform_model(config, platform)
-    return {"model": model, "platform": platform.name, "attention_backend": backend.name,
+    return {"model": model, "platform": platform.name, "model_impl": implementation_of(net),
+            "attention_backend": backend.name,
             "weight_dtype": config.model.dtype,
             "activation_dtype": config.model.activation_dtype or config.model.dtype,
             **kernel_report.report(net)}
@@ -251,9 +271,10 @@ def model_kernels_report(model: str, device: str, quantization: str | None,
 def render_model_kernels(report: dict[str, Any]) -> str:
     weights = (f"{report['quantization']} quantized" if report["quantization"]
                else report["weight_dtype"])
-    lines = [f"{report['model']} on {report['platform']}: {weights} weights "
-             f"({report['weights_mib']} MiB), {report['activation_dtype']} activations, "
-             f"attention {report['attention_backend']}"]
+    lines = [(f"{report['model']} on {report['platform']}: {weights} weights "
+              f"({report['weights_mib']} MiB), {report['activation_dtype']} activations, "
+              f"attention {report['attention_backend']}, "
+              f"model implementation {report.get('model_impl', 'engine')}")]
     width = max((len(kind) for kind in report["layer_kernels"]), default=0)
     lines += [f"  {kind.ljust(width)}  {kernel}" for kind, kernel in report["layer_kernels"].items()]
     return "\n".join(lines)
@@ -266,13 +287,16 @@ def render_model_kernels(report: dict[str, Any]) -> str:
 @click.option("--device", default="auto", show_default=True, help="Platform for --model.")
 @click.option("--quantization", "-q", default=None, help="As engine serve, for --model.")
 @click.option("--dtype", default="auto", show_default=True, help="As engine serve, for --model.")
+@click.option("--model-impl", "model_impl", type=click.Choice(["auto", "engine", "transformers"]),
+              default="auto", show_default=True, help="As engine serve, for --model.")
 def plugins(as_json: bool, model: str | None, device: str, quantization: str | None,
-            dtype: str) -> None:
+            dtype: str, model_impl: str) -> None:
     """List installed plugins and platforms, and what --device auto would pick."""
     report = plugins_report(get_plugin_registry())
     if model is not None:
         try:
-            report["model"] = model_kernels_report(model, device, quantization, dtype)
+            report["model"] = model_kernels_report(model, device, quantization, dtype,
+                                                   model_impl)
         except (ValueError, OSError) as exc:
             raise click.ClickException(str(exc)) from exc
     if as_json:

@@ -50,6 +50,9 @@ class ModelConfig(BaseModel):
     # (e.g. Qwen3-Reranker's {"architectures": ["Qwen3ForSequenceClassification"],
     # "classifier_from_token": ["no", "yes"]}).
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's --model-impl: "auto" (the engine's class when registered, else the
+    # Transformers backend), "engine" (registered classes only) or "transformers".
+    model_impl: Literal["auto", "engine", "transformers"] = "auto"
     # "generate" or "pooling" (embed / classify / score / reward; see
     # engine.core.pooling_config), resolved from --runner / --convert.
     runner: Literal["generate", "pooling"] = "generate"

@@ -101,6 +101,9 @@ class EngineArgs:
     convert: str = "auto"
     # vLLM's --hf-overrides: a dict or its JSON text, set on the HF config.
     hf_overrides: dict[str, Any] | str | None = None
+    # vLLM's --model-impl: "auto" (the engine's class when the architecture is
+    # registered, else the Transformers backend), "engine" or "transformers".
+    model_impl: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -128,7 +131,7 @@ class EngineArgs:
 
         path, served_name = self.resolved_model_path()
         hf_overrides = _json_dict(self.hf_overrides, "hf_overrides")
-        files = load_model_files(path, hf_overrides=hf_overrides)
+        files = load_model_files(path, hf_overrides=hf_overrides, model_impl=self.model_impl)
         load_sampling_defaults(path, self.generation_config)  # a bad value fails here
         dtype = resolve_dtype(files.hf_config, self.dtype)
         from engine.quantization import resolve_quantization
@@ -185,6 +188,7 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager,
                 quantization=self.quantization,
                 hf_overrides=hf_overrides,
+                model_impl=self.model_impl,
                 runner=runner,
                 pooler_config=pooler,
             ),

@@ -85,6 +85,9 @@ class ModelFiles:
     model_cls: type[nn.Module]
     weight_files: list[Path]
     generation: GenerationDefaults | None
+    # Which implementation runs it: "engine" (a registered class) or "transformers"
+    # (the Transformers modeling backend, vLLM's --model-impl).
+    impl: str = "engine"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -173,9 +176,12 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> None
 
 
 def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
-                     hf_overrides: dict[str, Any] | None = None) -> ModelFiles:
+                     hf_overrides: dict[str, Any] | None = None,
+                     model_impl: str = "auto") -> ModelFiles:
     """Check a model directory and resolve its architecture to a model class
-    (``hf_overrides`` applied to its config first)."""
+    (``hf_overrides`` applied to its config first). ``model_impl`` (vLLM's
+    ``--model-impl``): ``auto`` the registered class, else the Transformers backend;
+    ``engine`` registered classes only; ``transformers`` always the backend."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"model directory {path} does not exist")
@@ -189,8 +195,10 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
-    model_cls = registry.resolve(architectures)
-    architecture = next(a for a in architectures if a in registry)
+    from engine.model_executor.models.transformers_backend import resolve_model_class
+
+    model_cls, architecture, impl = resolve_model_class(architectures, registry, hf_config,
+                                                        model_impl)
     return ModelFiles(
         path=path,
         hf_config=hf_config,
@@ -198,6 +206,7 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
         model_cls=model_cls,
         weight_files=weight_files,
         generation=read_generation_config(path),
+        impl=impl,
     )
 
 
@@ -308,6 +317,7 @@ def load_model(
     fused_moe_kernels: Sequence[type[FusedMoEKernel]] = (),
     hf_overrides: dict[str, Any] | None = None,
     pooler_config: Any = None,
+    model_impl: str = "auto",
 ) -> nn.Module:
     """Build the model for ``model`` (a directory or checked files) and load its weights.
 
@@ -325,7 +335,7 @@ def load_model(
     from engine.quantization import resolve_quantization
 
     files = (model if isinstance(model, ModelFiles)
-             else load_model_files(model, hf_overrides=hf_overrides))
+             else load_model_files(model, hf_overrides=hf_overrides, model_impl=model_impl))
     hf_config = files.hf_config
     plan = resolve_quantization(hf_config, quantization)
     dtype = resolve_dtype(hf_config, dtype)
@@ -343,6 +353,9 @@ def load_model(
         model_dir=files.path,
     )
     model_cls = files.model_cls
+    if pooler_config is not None and files.impl != "engine":
+        raise ValueError(f"{files.architecture}: pooling models are not supported by the "
+                         "Transformers backend (model_impl='transformers')")
     if pooler_config is not None:
         from engine.model_executor.models.adapters import pooling_model_class
 
@@ -362,10 +375,11 @@ def load_model(
     net.eval()
     net.requires_grad_(False)
     logger.info(
-        "loaded %s (%s) from %s: %s weights, %s activations; %d linear weights repacked "
-        "for the platform GEMM%s",
+        "loaded %s (%s, %s implementation) from %s: %s weights, %s activations; %d linear "
+        "weights repacked for the platform GEMM%s",
         files.architecture,
         model_cls.__name__,
+        files.impl,
         files.path,
         _dtype_name(dtype),
         _dtype_name(compute),

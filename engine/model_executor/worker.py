@@ -21,6 +21,7 @@ from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.model_executor import kernel_report
 from engine.model_executor.model_loader import load_model
 from engine.model_executor.model_runner import KVCacheSpec, ModelRunner
+from engine.model_executor.models.transformers_backend.support import implementation_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
         parallel=parallel,
         fused_moe_kernels=platform.fused_moe_kernels(),
         hf_overrides=config.model.hf_overrides,
+        model_impl=config.model.model_impl,
         pooler_config=config.model.pooler_config,
     )
     return model, attn_backend
@@ -173,10 +175,12 @@ class Worker:
         self.runner.allocate_kv_cache(self.kv_spec, num_blocks)
         self.num_blocks = num_blocks
         logger.info(
-            "%splatform %s, attention %s, %.1f MiB weights, %d KV blocks of %d tokens",
+            "%splatform %s, model implementation %s, attention %s, %.1f MiB weights, "
+            "%d KV blocks of %d tokens",
             "" if self.layout is None else
             f"rank {self.layout.rank} (tp {self.layout.tp_rank}, pp {self.layout.pp_rank}): ",
-            self.platform.name, self.attn_backend.name, self.weights_bytes / 2**20,
+            self.platform.name, implementation_of(self.model), self.attn_backend.name,
+            self.weights_bytes / 2**20,
             num_blocks, config.cache.block_size,
         )
 
@@ -199,6 +203,7 @@ class Worker:
         layers = kernel_report.report(self.model)
         return {
             "platform": self.platform.name,
+            "model_impl": implementation_of(self.model),
             "attention_backend": self.attn_backend.name,
             "weight_dtype": model.dtype,
             "quantization": layers["quantization"],
