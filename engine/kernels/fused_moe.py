@@ -19,11 +19,14 @@ Algorithm. The ``T * k`` (token, choice) pairs are numbered ``pair = t * k + j``
    BLOCK_N`` tile of one block. Its rows gather their tokens from ``hidden`` (``token =
    pair // k``) and the product with ``w13[e].T`` is stored at the row of its pair id, so
    the intermediate ``[T * k, 2I]`` stays in pair order (no scatter pass afterwards).
-3. :func:`_gated_activation_kernel`: ``act(gate) * up`` -> ``[T * k, I]``.
+3. :func:`_gated_activation_kernel`: ``act(gate) * up`` -> ``[T * k, I]`` (the gate / up
+   biases added first when the layer has them; ``swigluoai``: GPT-OSS's clamped SwiGLU,
+   engine/core/interfaces/moe.py).
 4. :func:`_grouped_gemm_kernel` with ``w2``, each row scaled by its routing weight ->
    ``[T * k, H]``.
-5. :func:`_moe_sum_kernel`: ``out[t] = sum_j partial[t * k + j]``, skipping the choices
-   that are not on this rank, accumulated in float32. Every output element is written,
+5. :func:`_moe_sum_kernel`: ``out[t] = sum_j partial[t * k + j]`` (plus ``topk_weights[t,
+   j] * w2_bias[e]`` with a down bias), skipping the choices that are not on this rank,
+   accumulated in float32. Every output element is written,
    so a token whose choices are all elsewhere gets exact zeros.
 
 No step reads device data on the host: the aligned buffers are sized by the worst case
@@ -43,7 +46,12 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
-from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
+from engine.core.interfaces.moe import (
+    SWIGLUOAI_ALPHA,
+    SWIGLUOAI_LIMIT,
+    FusedMoEKernel,
+    MoELayerSpec,
+)
 from engine.kernels.triton_utils import (
     SUPPORTED_DTYPES,
     TRITON_MISSING_MESSAGE,
@@ -74,6 +82,7 @@ ACTIVATIONS: dict[str, str] = {
     "gelu": "gelu",  # exact, erf based (torch's F.gelu default)
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
+    "swigluoai": "swigluoai",  # GPT-OSS's clamped SwiGLU (not act(gate) * up)
 }
 
 
@@ -240,13 +249,19 @@ def _gated_activation_kernel(
     gate_up_ptr,  # [T * k, 2I]: gate columns, then up columns
     out_ptr,  # [T * k, I]
     expert_of_pair_ptr,  # [T * k]: topk_ids flattened
+    bias_ptr,  # [E, 2I] gate then up biases (HAS_BIAS)
     intermediate_size,
     num_experts,
     stride_gm,
     stride_gn,
     stride_om,
     stride_on,
-    ACTIVATION: tl.constexpr,  # "silu" | "gelu" | "gelu_tanh"
+    stride_be,
+    stride_bn,
+    ACTIVATION: tl.constexpr,  # "silu" | "gelu" | "gelu_tanh" | "swigluoai"
+    HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr,  # swigluoai's sigmoid gain
+    LIMIT: tl.constexpr,  # swigluoai's clamp
     BLOCK_I: tl.constexpr,
 ):
     """``out[pair] = act(gate) * up`` for one pair's row (one column tile of it)."""
@@ -261,15 +276,26 @@ def _gated_activation_kernel(
     gate = tl.load(row + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + (cols + intermediate_size) * stride_gn, mask=mask, other=0.0)
     up = up.to(tl.float32)
-    if ACTIVATION == "silu":
-        act = gate * _sigmoid(gate)
-    elif ACTIVATION == "gelu":
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    else:  # gelu_tanh: 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
-        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate * _sigmoid(2.0 * u)
+    if HAS_BIAS:
+        bias = bias_ptr + expert.to(tl.int64) * stride_be
+        gate += tl.load(bias + cols * stride_bn, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(bias + (cols + intermediate_size) * stride_bn, mask=mask,
+                      other=0.0).to(tl.float32)
+    if ACTIVATION == "swigluoai":
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        gated = (up + 1.0) * (gate * _sigmoid(gate * ALPHA))
+    else:
+        if ACTIVATION == "silu":
+            act = gate * _sigmoid(gate)
+        elif ACTIVATION == "gelu":
+            act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        else:  # gelu_tanh: 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
+            u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = gate * _sigmoid(2.0 * u)
+        gated = act * up
     out = out_ptr + pair.to(tl.int64) * stride_om + cols * stride_on
-    tl.store(out, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, gated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -277,16 +303,22 @@ def _moe_sum_kernel(
     partial_ptr,  # [T * k, H]: weighted expert outputs by pair id
     expert_of_pair_ptr,  # [T * k]
     out_ptr,  # [T, H]
+    routing_weights_ptr,  # [T * k] float32 (HAS_BIAS)
+    bias_ptr,  # [E, H] down biases (HAS_BIAS)
     hidden_size,
     num_experts,
     stride_pm,
     stride_ph,
     stride_ot,
     stride_oh,
+    stride_be,
+    stride_bh,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[t] = sum_j partial[t * k + j]`` over the choices on this rank (fp32 sum)."""
+    """``out[t] = sum_j partial[t * k + j]`` (+ ``weight_j * bias[e_j]``) over the choices
+    on this rank (fp32 sum)."""
     token = tl.program_id(0).to(tl.int64)
     col_tile = tl.program_id(1)
     cols = col_tile * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -298,6 +330,10 @@ def _moe_sum_kernel(
         if (expert >= 0) & (expert < num_experts):  # else the row was never written
             ptrs = partial_ptr + pair * stride_pm + cols * stride_ph
             acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                weight = tl.load(routing_weights_ptr + pair)
+                bias = bias_ptr + expert.to(tl.int64) * stride_be + cols * stride_bh
+                acc += weight * tl.load(bias, mask=mask, other=0.0).to(tl.float32)
     out = out_ptr + token * stride_ot + cols * stride_oh
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -353,6 +389,8 @@ def _validate(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> None:
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
@@ -380,7 +418,14 @@ def _validate(
         raise ValueError(
             f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
         )
-    check_device(_INTERPRETED, hidden, w13, w2, topk_weights, topk_ids)
+    biases = [b for b in (w13_bias, w2_bias) if b is not None]
+    if w13_bias is not None and w13_bias.shape != (num_experts, inter2):
+        raise ValueError(f"w13_bias must be [{num_experts}, {inter2}], got "
+                         f"{tuple(w13_bias.shape)}")
+    if w2_bias is not None and w2_bias.shape != (num_experts, hidden_size):
+        raise ValueError(f"w2_bias must be [{num_experts}, {hidden_size}], got "
+                         f"{tuple(w2_bias.shape)}")
+    check_device(_INTERPRETED, hidden, w13, w2, topk_weights, topk_ids, *biases)
 
 
 def _grouped_gemm(
@@ -435,16 +480,20 @@ def fused_moe(
     activation: str = "silu",
     config: FusedMoEConfig | None = None,
     out: torch.Tensor | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' half of a MoE layer: ``[T, H]`` in hidden's dtype (the module
     docstring gives the formula and the steps).
 
     ``activation``: a key of :data:`ACTIVATIONS`. ``config``: override the tiles chosen by
     :func:`choose_config` (powers of two, >= 16 on a GPU). ``out``: a ``[T, H]`` tensor of
-    hidden's dtype to write into (every element is written), returned.
+    hidden's dtype to write into (every element is written), returned. ``w13_bias [E, 2I]``
+    / ``w2_bias [E, H]``: expert biases (either optional).
     """
     require_triton()
-    _validate(hidden, w13, w2, topk_weights, topk_ids, activation)
+    _validate(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter2, _ = w13.shape
     intermediate_size = inter2 // 2
@@ -483,11 +532,16 @@ def fused_moe(
         gate_up,
         activated,
         expert_of_pair,
+        w13_bias if w13_bias is not None else gate_up,
         intermediate_size,
         num_experts,
         *gate_up.stride(),
         *activated.stride(),
+        *(w13_bias.stride() if w13_bias is not None else (0, 0)),
         ACTIVATION=ACTIVATIONS[activation],
+        HAS_BIAS=w13_bias is not None,
+        ALPHA=SWIGLUOAI_ALPHA,
+        LIMIT=SWIGLUOAI_LIMIT,
         BLOCK_I=block_i,
     )
 
@@ -499,11 +553,15 @@ def fused_moe(
         partial,
         expert_of_pair,
         out,
+        routing_weights,
+        w2_bias if w2_bias is not None else partial,
         hidden_size,
         num_experts,
         *partial.stride(),
         *out.stride(),
+        *(w2_bias.stride() if w2_bias is not None else (0, 0)),
         TOP_K=top_k,
+        HAS_BIAS=w2_bias is not None,
         BLOCK_H=block_h,
     )
     return out
@@ -517,6 +575,7 @@ class TritonFusedMoEKernel(FusedMoEKernel):
     only under ``TRITON_INTERPRET=1``)."""
 
     name: ClassVar[str] = "triton_fused_moe"
+    supports_expert_bias: ClassVar[bool] = True
 
     @classmethod
     def can_implement(cls, spec: MoELayerSpec) -> str | None:
@@ -548,5 +607,9 @@ class TritonFusedMoEKernel(FusedMoEKernel):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation,
+                         w13_bias=w13_bias, w2_bias=w2_bias)

@@ -3,7 +3,9 @@
 With ``num_kv_splits = n > 1`` the unified kernel gives each (query block, kv head) ``n``
 programs, each over an equal share of the key tiles; each writes fp32 partial rows
 (running max in log2 units, softmax denominator, unnormalised output). The reduce kernel
-here rescales every share to the global max and normalises once.
+here rescales every share to the global max and normalises once; attention sinks join
+the denominator there, once per row (never in the shares, which would count them ``n``
+times).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _split_kv_reduce_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    sinks_ptr,  # float32 [num_heads] (unused unless USE_SINKS)
     num_heads,
     head_size,
     stride_ot,
@@ -35,6 +38,7 @@ def _split_kv_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     """Merge the split partials of one (token, head): rescale each to the global max."""
     token = tl.program_id(0).to(tl.int64)
@@ -47,8 +51,13 @@ def _split_kv_reduce_kernel(
     m = tl.load(part_max_ptr + part, mask=split_valid, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_valid, other=0.0)
     m_max = tl.max(m, axis=0)
+    if USE_SINKS:  # the sink logit (log2 units like the maxima): denominator only
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)  # empty splits count 0
     total = tl.sum(l * weight, axis=0)
+    if USE_SINKS:
+        total += tl.where(sink > float("-inf"), tl.exp2(sink - m_max), 0.0)
     acc = tl.load(
         part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :],
         mask=split_valid[:, None] & dim_valid[None, :],
@@ -112,8 +121,10 @@ def split_kv_reduce(
     out: torch.Tensor,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     num_kv_splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Merge ``partials`` (from :meth:`SplitKVWorkspace.get`) into ``out`` [T, H, D]."""
+    """Merge ``partials`` (from :meth:`SplitKVWorkspace.get`) into ``out`` [T, H, D];
+    ``sinks``: float32 ``[H]`` sink logits added to each row's denominator."""
     num_tokens, num_heads, head_size = out.shape
     part_max, part_sum, part_acc = partials
     head_pad = part_acc.shape[-1]
@@ -122,12 +133,14 @@ def split_kv_reduce(
         part_max,
         part_sum,
         part_acc,
+        sinks if sinks is not None else part_max,
         num_heads,
         head_size,
         *out.stride(),
         NUM_SPLITS=num_kv_splits,
         SPLITS_PAD=next_power_of_2(num_kv_splits),
         HEAD_PAD=head_pad,
+        USE_SINKS=sinks is not None,
         num_warps=4 if head_pad >= 128 else 1,
     )
     stats.launches.split_kv_reduce += 1

@@ -131,7 +131,18 @@ class TritonAttentionImpl(AttentionImpl):
             workspace=metadata.workspace,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            attention_chunk_size=spec.attention_chunk_size,
+            sinks=self._sink_logits(query.device),
         )
+
+    def _sink_logits(self, device: torch.device) -> torch.Tensor | None:
+        """``self.sinks`` as float32 ``[num_heads]`` on ``device`` (None without sinks)."""
+        if not self.spec.use_sinks:
+            return None
+        if self.sinks is None:
+            raise ValueError("this attention layer uses sinks (spec.use_sinks) but its "
+                             "impl.sinks were never set (load the layer's weights first)")
+        return self.sinks.detach().to(device=device, dtype=torch.float32)
 
     def _encoder_forward(
         self,
@@ -258,6 +269,15 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
     @classmethod
+    def supports_attention_sinks(cls) -> bool:
+        """Causal MHA / GQA layers (unified_attention; split-KV adds them at the merge)."""
+        return True
+
+    @classmethod
+    def supports_chunked_local_attention(cls) -> bool:
+        return True
+
+    @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
         if spec.is_mla:
             return cls._validate_mla(spec, block_size)
@@ -273,6 +293,11 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if block_size < 1:
             return f"{cls.name} needs a positive block size, not {block_size}"
+        if not spec.causal and (spec.use_sinks or spec.attention_chunk_size is not None):
+            return (f"{cls.name} encoder (non-causal) attention has no sinks or chunked "
+                    "local attention")
+        if spec.attention_chunk_size is not None and spec.attention_chunk_size <= 0:
+            return f"attention_chunk_size must be positive, not {spec.attention_chunk_size}"
         return super().validate(spec, block_size)
 
     @classmethod

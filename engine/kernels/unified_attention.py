@@ -3,7 +3,11 @@
 Contract (engine/core/interfaces/attention.py): request ``r`` owns query rows
 ``query_start_loc[r] : query_start_loc[r+1]``; its row ``i`` sits at position
 ``seq_lens[r] - query_len + i`` and attends causally to cached keys ``0 ..= position``
-(only the last ``sliding_window`` of them when a window is set). Keys are read from the
+(only the last ``sliding_window`` of them when a window is set; with chunked local
+attention, ``attention_chunk_size = C``, only those from ``C * (position // C)`` on).
+Learned attention sinks (``sinks``, float32 ``[num_heads]``) add ``exp(sinks[h])`` to
+each row's softmax denominator: once, when a row is normalised (the single-pass kernel's
+epilogue, or the split-KV merge). Keys are read from the
 paged cache ``[2, num_blocks, block_size, num_kv_heads, head_size]`` through
 ``block_tables``.
 
@@ -16,7 +20,9 @@ r``, which bounds the grid by ``T // BLOCK_Q + R`` without reading device data o
 host; a program finds its request by binary search and exits if it has no rows. It then
 walks the keys in tiles of ``TILE`` positions (any block size: each position looks up
 its own block), with online softmax in fp32 (base-2 exponentials, log2(e) folded into
-the scores).
+the scores). Key positions before the program's first needed key (its first query's
+window or chunk start) are masked before their block-table entries are loaded, so the
+blocks there (which the KV cache manager may already have freed) are never touched.
 
 fp8 caches (``float8_e4m3fn`` / ``float8_e5m2``): the tiles are loaded as uint8 codes and
 widened exactly (:mod:`engine.kernels.fp8_kv`); ``k_scale`` multiplies the softmax scale
@@ -90,6 +96,8 @@ def _unified_attention_kernel(
     v_scale,  # an fp8 cache's (unused otherwise)
     soft_cap,
     sliding_window,
+    chunk_size,  # chunked local attention's C (unused unless USE_CHUNK)
+    sinks_ptr,  # float32 [num_heads] sink logits (unused unless USE_SINKS)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -112,6 +120,8 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: the cache's own dtype; else fp8_kv's format of uint8 codes
@@ -147,11 +157,14 @@ def _unified_attention_kernel(
     q_dot = q.to(DOT_DTYPE)
 
     # Keys this program may need: up to its last query's position, from the first
-    # query's window start.
+    # query's window or chunk start.
     key_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+    first_q_pos = context_len + local_block * BLOCK_Q
     key_start = 0
     if USE_WINDOW:
-        key_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
+        key_start = tl.maximum(first_q_pos - sliding_window + 1, 0)
+    if USE_CHUNK:
+        key_start = tl.maximum(key_start, (first_q_pos // chunk_size) * chunk_size)
     tile_lo = key_start // TILE
     tile_hi = tl.cdiv(key_end, TILE)
     if NUM_SPLITS > 1:
@@ -167,7 +180,7 @@ def _unified_attention_kernel(
 
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE + tile_offs
-        k_valid = k_pos < key_end
+        k_valid = (k_pos < key_end) & (k_pos >= key_start)
         block = tl.load(block_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
         slot = block * stride_cb + (k_pos % block_size).to(tl.int64) * stride_cs
         slot = slot + kv_head * stride_ch
@@ -194,6 +207,8 @@ def _unified_attention_kernel(
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+        if USE_CHUNK:
+            allowed = allowed & (k_pos[None, :] >= ((q_pos // chunk_size) * chunk_size)[:, None])
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -208,6 +223,14 @@ def _unified_attention_kernel(
     if KV_FP8 > 0:
         acc = acc * v_scale
     if NUM_SPLITS == 1:
+        if USE_SINKS:  # one more term of the denominator, exp(sink), with no value
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf"))
+            sink = sink * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            m_fin = tl.where(m_fin > float("-inf"), m_fin, 0.0)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -318,6 +341,8 @@ def unified_attention(
     tile_size: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    attention_chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``q`` [T, num_heads, head_size] into ``out`` (returned).
 
@@ -325,6 +350,8 @@ def unified_attention(
     the single-pass kernel, n > 1 forces split-KV with n splits. ``block_m`` / ``tile_size``
     override the query-rows x key-positions tile (powers of two, >= 16 on a GPU).
     ``k_scale`` / ``v_scale``: an fp8 cache's (K = k_scale * code), ignored otherwise.
+    ``attention_chunk_size``: chunked local attention (a query at position p sees keys
+    ``C * (p // C) ..= p``); ``sinks``: float32 ``[num_heads]`` sink logits.
     """
     _validate(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
     check_cache_dtype(kv_cache, k_scale, v_scale)
@@ -334,7 +361,15 @@ def unified_attention(
         )
     if logits_soft_cap is not None and logits_soft_cap < 0:
         raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
+    if attention_chunk_size is not None and attention_chunk_size <= 0:
+        raise ValueError(f"attention_chunk_size must be positive, got {attention_chunk_size}")
     num_tokens, num_heads, head_size = q.shape
+    if sinks is not None:
+        if sinks.shape != (num_heads,) or sinks.dtype != torch.float32:
+            raise ValueError(f"sinks must be float32 [{num_heads}], got {sinks.dtype} "
+                             f"{tuple(sinks.shape)}")
+        check_device(_INTERPRETED, q, sinks)
+        sinks = sinks.contiguous()
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -386,6 +421,8 @@ def unified_attention(
         float(v_scale),
         float(logits_soft_cap or 0.0),
         int(sliding_window or 0),
+        int(attention_chunk_size or 0),
+        sinks if sinks is not None else out,
         *q.stride(),
         *out.stride(),
         *key_cache.stride(),
@@ -401,6 +438,8 @@ def unified_attention(
         NUM_SPLITS=num_kv_splits,
         USE_SOFT_CAP=bool(logits_soft_cap),
         USE_WINDOW=bool(sliding_window),
+        USE_CHUNK=attention_chunk_size is not None,
+        USE_SINKS=sinks is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         KV_FP8=fp8,
@@ -411,5 +450,5 @@ def unified_attention(
         stats.launches.unified_attention += 1
         return out
     stats.launches.split_kv_attention += 1
-    split_kv_reduce(out, (part_max, part_sum, part_acc), num_kv_splits)
+    split_kv_reduce(out, (part_max, part_sum, part_acc), num_kv_splits, sinks)
     return out

@@ -18,5 +18,6 @@ def engine_register_quant_methods() -> list[type[QuantMethod]]:
     from engine.quantization.compressed_tensors import CompressedTensorsConfig
     from engine.quantization.fp8 import Fp8Config
     from engine.quantization.gptq import GPTQConfig
+    from engine.quantization.mxfp4 import Mxfp4Config
 
-    return [CompressedTensorsConfig, GPTQConfig, AWQConfig, Fp8Config]
+    return [CompressedTensorsConfig, GPTQConfig, AWQConfig, Fp8Config, Mxfp4Config]

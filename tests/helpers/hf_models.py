@@ -95,6 +95,51 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True),
+    # Phi-3 / Phi-4-mini: fused qkv / gate_up tensors; LongRoPE whose long factors take
+    # over beyond position 32, on 3/4 of each head (partial rotary).
+    "phi3-longrope": dict(arch="Phi3ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=128, original_max_position_embeddings=32,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.6],
+                                           "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}),
+    # OLMo 2: post-norms, q/k norms over the whole projection.
+    "olmo2": dict(arch="Olmo2ForCausalLM", num_attention_heads=4, num_key_value_heads=2),
+    # Granite 3: the four multipliers, none of them 1.
+    "granite": dict(arch="GraniteForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                    embedding_multiplier=4.0, residual_multiplier=0.5,
+                    attention_multiplier=0.1, logits_scaling=2.0),
+    # SmolLM3: layer 1 without RoPE (and, as transformers derives it, with a window of 8).
+    "smollm3": dict(arch="SmolLM3ForCausalLM", num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, no_rope_layers=[1, 0, 1], use_sliding_window=True,
+                    sliding_window=8, tie_word_embeddings=True),
+    # GLM-4: sandwich norms, interleaved RoPE on half of each head, q/k/v biases.
+    "glm4": dict(arch="Glm4ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, partial_rotary_factor=0.5, attention_bias=True),
+    # Ernie 4.5: interleaved RoPE in float32, biases on every projection.
+    "ernie45": dict(arch="Ernie4_5ForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, use_bias=True),
+    # Gemma family: window 8 on the sliding layers, soft-caps small enough to bite.
+    "gemma": dict(arch="GemmaForCausalLM", num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=16, tie_word_embeddings=True),
+    "gemma2": dict(arch="Gemma2ForCausalLM", num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3": dict(arch="Gemma3ForCausalLM", config="Gemma3TextConfig", num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=3.0,
+                   attn_logit_softcapping=5.0,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 1000000.0}}),
+    # Cohere2: parallel attention + MLP, interleaved RoPE on the sliding layers only.
+    "cohere2": dict(arch="Cohere2ForCausalLM", num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=8, logit_scale=0.5,
+                    layer_norm_eps=1e-5, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -120,7 +165,9 @@ def build_model_dir(
     tokenizer = build_tokenizer(out_dir, chat_template=chat_template)
     spec = dict(ARCH_CONFIGS[variant])
     arch = spec.pop("arch")
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    # "config": the config class where it is not the architecture's name with "Config".
+    config_cls = getattr(transformers, spec.pop("config", None)
+                         or arch.replace("ForCausalLM", "Config"))
     model_cls = getattr(transformers, arch)
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),

@@ -93,8 +93,14 @@ def reference_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float64 causal attention from the per-request K/V (never reads the cache)."""
+    """float64 causal attention from the per-request K/V (never reads the cache).
+
+    ``chunk_size``: chunked local attention, a query at position p sees keys ``C * (p //
+    C) ..= p``; ``sinks`` ([H]): one more, uncapped and value-less, column per head's
+    softmax (dropped after it)."""
     outs = []
     num_heads = batch.q.shape[1]
     for r in range(len(batch.keys)):
@@ -112,9 +118,32 @@ def reference_attention(
         allowed = k_pos <= q_pos
         if sliding_window:
             allowed &= q_pos - k_pos < sliding_window
+        if chunk_size:
+            allowed &= k_pos >= q_pos // chunk_size * chunk_size
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), v))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink_col = sinks.double()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+        outs.append(torch.einsum("hls,shd->lhd", probs, v))
     return torch.cat(outs)
+
+
+def hide_blocks_before(batch: PagedBatch, first_key) -> None:
+    """Blocks wholly before each request's first needed key (``first_key(q_len,
+    seq_len)``, its first query's window or chunk start) may already be freed: their
+    cache rows become NaN and their block-table entries name a never-used (NaN) block, so
+    a kernel that reads either returns NaN."""
+    block_size = batch.kv_cache.shape[2]
+    spare = batch.kv_cache.shape[1] - 1  # make_batch leaves the last blocks unused...
+    while bool((batch.block_tables == spare).any()):
+        spare -= 1  # ...in a random order: find one no request names
+    for r in range(batch.seq_lens.shape[0]):
+        q_len = int(batch.query_start_loc[r + 1] - batch.query_start_loc[r])
+        skipped = first_key(q_len, int(batch.seq_lens[r])) // block_size
+        batch.kv_cache[:, batch.block_tables[r, :skipped].long()] = float("nan")
+        batch.block_tables[r, :skipped] = spare
 
 
 @dataclass

@@ -172,6 +172,34 @@ def test_unified_attention_over_an_fp8_cache(dtype, requests, q_dtype, splits, e
     _check(out, batch, 0.3, extra.get("sliding_window"), extra.get("logits_soft_cap"))
 
 
+@pytest.mark.parametrize("dtype", [F8_E4M3, F8_E5M2])
+@pytest.mark.parametrize(
+    "requests,splits,extra",
+    [
+        pytest.param(MIXED, 1, {"sliding_window": 6}, id="window-sinks"),
+        pytest.param(DECODES, 3, {"attention_chunk_size": 12}, id="split3-chunk-sinks"),
+    ],
+)
+def test_sinks_and_chunks_over_an_fp8_cache(dtype, requests, splits, extra):
+    """A sink is a logit: it meets scores of the dequantized keys (k_scale folded into
+    the softmax scale), and is not scaled by v_scale."""
+    gen = torch.Generator().manual_seed(13)
+    k_scale, v_scale = SCALES[dtype]
+    batch = _fp8_batch(make_batch(requests, 4, 2, 32, 8, torch.float32, gen), dtype,
+                       k_scale, v_scale)
+    sinks = torch.tensor([2.0, -0.5, 0.7, 1.1])
+    out = torch.full_like(batch.q, float("nan"))
+    unified_attention(batch.q, batch.kv_cache, out, batch.query_start_loc, batch.seq_lens,
+                      batch.block_tables, batch.max_query_len, batch.max_seq_len, 0.3,
+                      num_kv_splits=splits, block_m=16, tile_size=16, k_scale=k_scale,
+                      v_scale=v_scale, sinks=sinks, **extra)
+    expected = reference_attention(batch, 0.3, extra.get("sliding_window"),
+                                   chunk_size=extra.get("attention_chunk_size"), sinks=sinks)
+    assert not out.isnan().any()
+    magnitude = max(float(v.abs().max()) for v in batch.values)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * magnitude, rtol=0)
+
+
 def test_cache_format_views_fp8_as_bytes():
     cache = torch.zeros(2, 3, 4, 1, 16, dtype=F8_E5M2)
     fmt, view = cache_format(cache)

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_reference import make_batch, reference_attention
+from attention_reference import hide_blocks_before, make_batch, reference_attention
 
 from engine.kernels import stats
 from engine.kernels.unified_attention import (
@@ -182,3 +182,68 @@ def test_float32_queries_over_a_bf16_cache():
     assert out.dtype == torch.float32
     expected = reference_attention(wide, 0.2, None, None)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+# -- chunked local attention (Llama 4) and attention sinks (GPT-OSS) -------------------
+def _sinks(heads: int) -> torch.Tensor:
+    """Sink logits above, among and below the scores, one head's off (-inf)."""
+    return torch.tensor([3.0, -1.0, 0.5, float("-inf"), 1.5, -4.0, 0.0, 2.0][:heads])
+
+
+@pytest.mark.parametrize(
+    "requests,heads,kv_heads,block_size,splits,extra",
+    [
+        # chunk 5 over blocks of 8: chunk starts inside blocks; prefill rows of one query
+        # block sit in different chunks
+        pytest.param(MIXED, 4, 2, 8, 1, {"attention_chunk_size": 5}, id="chunk5-bs8"),
+        pytest.param(MIXED, 4, 1, 4, 1, {"attention_chunk_size": 16}, id="chunk16-bs4"),
+        pytest.param(MIXED, 4, 2, 8, 1, {"sinks": True}, id="sinks"),
+        pytest.param(MIXED, 4, 2, 8, 1, {"sinks": True, "sliding_window": 6,
+                                         "logits_soft_cap": 2.0}, id="window-sinks-softcap"),
+        pytest.param(MIXED, 2, 2, 8, 1, {"sinks": True, "attention_chunk_size": 7},
+                     id="chunk7-sinks"),
+        # split-KV: the sink is added once, at the merge (3 or 4 splits, some empty)
+        pytest.param(DECODES, 4, 2, 8, 4, {"sinks": True}, id="split4-sinks"),
+        pytest.param(MIXED, 4, 2, 8, 3, {"sinks": True, "sliding_window": 9},
+                     id="split3-window-sinks"),
+        pytest.param(DECODES, 4, 2, 8, 3, {"sinks": True, "attention_chunk_size": 12},
+                     id="split3-chunk12-sinks"),
+    ],
+)
+def test_chunked_local_attention_and_sinks(requests, heads, kv_heads, block_size, splits,
+                                           extra):
+    """Blocks before each request's first needed key are NaN and their table entries
+    name a NaN block: neither may be read."""
+    gen = torch.Generator().manual_seed(21 + splits)
+    batch = make_batch(requests, heads, kv_heads, 32, block_size, torch.float32, gen)
+    extra = dict(extra)
+    sinks = _sinks(heads) if extra.pop("sinks", False) else None
+    chunk, window = extra.get("attention_chunk_size"), extra.get("sliding_window")
+
+    def first_key(q_len, seq_len):
+        first = seq_len - q_len
+        start = 0 if window is None else max(0, first - window + 1)
+        return start if chunk is None else max(start, first // chunk * chunk)
+
+    hide_blocks_before(batch, first_key)
+    out = _run(batch, 0.3, num_kv_splits=splits, block_m=16, tile_size=16, sinks=sinks,
+               **extra)
+    expected = reference_attention(batch, 0.3, window, extra.get("logits_soft_cap"),
+                                   chunk_size=chunk, sinks=sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    if sinks is not None:  # the sinks matter
+        plain = reference_attention(batch, 0.3, window, extra.get("logits_soft_cap"),
+                                    chunk_size=chunk)
+        assert (plain - expected).abs().max() > 0.05
+
+
+def test_chunk_and_sink_arguments_are_checked():
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch([(2, 4)], 2, 2, 32, 8, torch.float32, gen)
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        _run(batch, 1.0, attention_chunk_size=0)
+    with pytest.raises(ValueError, match="sinks"):
+        _run(batch, 1.0, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="sinks"):
+        _run(batch, 1.0, sinks=torch.zeros(2, dtype=torch.float64))

@@ -119,6 +119,32 @@ def test_forward_writes_cache_then_attends(dtype, splits, window):
     assert np.array_equal(metadata.seq_lens.numpy(), [13, 20, 6])
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+def test_forward_with_sinks_and_chunks(splits):
+    """The layer's impl.sinks and spec.attention_chunk_size reach the kernels (split-KV:
+    the sinks are added once, at the merge); a layer without its sinks set, or an encoder
+    layer asking for either, is refused clearly."""
+    gen = torch.Generator().manual_seed(12)
+    requests = [(4, 13), (1, 20), (6, 6)]
+    batch = make_batch(requests, 4, 2, 32, 8, torch.bfloat16, gen, store_new_tokens=False)
+    key, value = _new_rows(batch, batch.keys), _new_rows(batch, batch.values)
+    spec = AttentionLayerSpec(num_heads=4, head_size=32, num_kv_heads=2, scale=0.3,
+                              attention_chunk_size=6, use_sinks=True)
+    assert TritonAttentionBackend.supports_attention_sinks()
+    assert TritonAttentionBackend.supports_chunked_local_attention()
+    backend = TritonAttentionBackend(8, torch.device("cpu"), num_kv_splits=splits)
+    impl = backend.make_impl(spec)
+    metadata = backend.build_metadata(_attention_batch(batch))
+    with pytest.raises(ValueError, match="sinks were never set"):
+        impl.forward(batch.q, key, value, batch.kv_cache, metadata)
+    impl.sinks = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    out = impl.forward(batch.q, key, value, batch.kv_cache, metadata)
+    expected = reference_attention(batch, 0.3, chunk_size=6, sinks=impl.sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    encoder = AttentionLayerSpec(4, 32, 2, 0.3, causal=False, use_sinks=True)
+    assert "encoder" in TritonAttentionBackend.validate(encoder, 8)
+
+
 def test_module_imports_without_triton_and_fails_clearly_on_use():
     code = (
         "import sys; sys.modules['triton'] = None\n"

@@ -89,3 +89,32 @@ def test_perturbed_attention_backend_is_caught_with_its_clause() -> None:
         check_attention_backend(platform, BrokenBackend, num_kv_heads=2)
     with pytest.raises(AssertionError, match=r"\[attention\.varlen\]"):
         check_attention_backend(platform, BrokenBackend, num_kv_heads=4)
+
+
+def test_backends_that_ignore_sinks_or_chunks_are_caught_with_their_clause() -> None:
+    """A backend that opts in to sinks / chunked local attention but drops them from the
+    layer it builds fails the kit's new cases, naming the clause."""
+    import dataclasses
+
+    platform = resolve_platform("cpu")
+    base = platform.attention_backends()[0]
+
+    class IgnoresSinks(base):
+        name = "ignores-sinks"
+
+        def make_impl(self, spec):
+            return super().make_impl(dataclasses.replace(spec, use_sinks=False))
+
+    class IgnoresChunks(base):
+        name = "ignores-chunks"
+
+        def make_impl(self, spec):
+            return super().make_impl(dataclasses.replace(spec, attention_chunk_size=None))
+
+    check_attention_backend(platform, base, num_kv_heads=2, sinks=True, sliding_window=7)
+    check_attention_backend(platform, base, num_kv_heads=2, attention_chunk_size=12)
+    with pytest.raises(AssertionError, match=r"\[attention\.sinks\]"):
+        check_attention_backend(platform, IgnoresSinks, num_kv_heads=2, sinks=True)
+    with pytest.raises(AssertionError, match=r"\[attention\.chunked_local\]"):
+        check_attention_backend(platform, IgnoresChunks, num_kv_heads=2,
+                                attention_chunk_size=12)

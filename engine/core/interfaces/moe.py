@@ -10,6 +10,13 @@ serves (expert parallelism) and contributes nothing here.
 
 Weights, per local expert ``e``: ``w13[e]`` is ``[2 * I, H]`` (the gate projection's rows,
 then the up projection's), ``w2[e]`` is ``[H, I]``; ``y = w2 @ (act(w1 x) * (w3 x))``.
+
+Layers with expert biases (``MoELayerSpec.has_bias``; GPT-OSS) also pass ``w13_bias [E,
+2I]`` and ``w2_bias [E, H]`` (either may be None: a tensor-parallel rank other than the
+first has no down bias): ``g, u = w1 x + b1, w3 x + b3``, ``y = w2 @ h + b2``, the
+routing weight scaling the whole ``y``. Activation ``"swigluoai"`` (GPT-OSS's clamped
+SwiGLU) is not ``act(g) * u`` but ``h = (clamp(u, -7, 7) + 1) * g' * sigmoid(1.702 g')``
+with ``g' = clamp(g, max=7)`` (:data:`SWIGLUOAI_ALPHA`, :data:`SWIGLUOAI_LIMIT`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
+
+SWIGLUOAI_ALPHA = 1.702  # GPT-OSS: sigmoid gain of the clamped SwiGLU
+SWIGLUOAI_LIMIT = 7.0  # GPT-OSS: the clamp on gate (above) and up (both sides)
 
 
 @dataclass(frozen=True)
@@ -32,13 +42,16 @@ class MoELayerSpec:
     top_k: int
     dtype: "torch.dtype"  # weights and activations
     device: "torch.device"
-    activation: str = "silu"  # the gate's activation (gated MLP experts)
+    activation: str = "silu"  # the gate's activation (gated MLP experts), or "swigluoai"
+    has_bias: bool = False  # expert biases w13_bias / w2_bias (see the module docstring)
 
 
 class FusedMoEKernel(ABC):
     """``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``."""
 
     name: ClassVar[str]
+    # Whether apply() takes w13_bias / w2_bias (a ``has_bias`` layer is refused otherwise)
+    supports_expert_bias: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -54,7 +67,12 @@ class FusedMoEKernel(ABC):
         topk_weights: "torch.Tensor",
         topk_ids: "torch.Tensor",
         activation: str = "silu",
+        *,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ) -> "torch.Tensor":
         """``hidden [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights
         [T, k]`` float32, ``topk_ids [T, k]`` int (local expert ids, -1: not here) ->
-        ``[T, H]`` in hidden's dtype. A token whose choices are all elsewhere gets 0."""
+        ``[T, H]`` in hidden's dtype. A token whose choices are all elsewhere gets 0.
+        ``w13_bias`` / ``w2_bias``: passed only for a ``has_bias`` layer, which only a
+        kernel with ``supports_expert_bias`` is given."""

@@ -7,6 +7,13 @@ construction it asks the backend whether it can serve this layer's shape and cac
 dtype (a clear error otherwise) and gets the per-layer kernel object, which it hands the
 scales once they are loaded; at run time it finds this step's metadata and its own KV
 cache in the forward context.
+
+Learned attention sinks (GPT-OSS, ``use_sinks``): the layer also owns ``sinks``, float32
+``[num_heads]`` (this rank's query heads). The checkpoint holds one logit per head of the
+whole model; the weight loader keeps this tensor-parallel rank's slice, heads
+``sinks_head_offset ..`` (a rank's heads are consecutive: ``tp_rank * num_heads``, as
+QKVLinear splits them), and hands it to the kernel object (``impl.sinks``). Chunked
+local attention (Llama 4, ``attention_chunk_size``) is a property of the spec alone.
 """
 
 from __future__ import annotations
@@ -37,7 +44,13 @@ class Attention(nn.Module):
         cache_index: int | None = None,
         kv_lora_rank: int | None = None,
         causal: bool = True,
+        attention_chunk_size: int | None = None,
+        use_sinks: bool = False,
+        sinks_head_offset: int = 0,
     ) -> None:
+        """``num_heads`` / ``num_kv_heads``: this rank's. ``sinks_head_offset``: the first
+        of this rank's query heads in the checkpoint's numbering (``tp_rank * num_heads``),
+        where the rank's slice of the checkpoint's sinks starts."""
         super().__init__()
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
@@ -46,6 +59,11 @@ class Attention(nn.Module):
             )
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, not {sliding_window}")
+        if attention_chunk_size is not None and attention_chunk_size <= 0:
+            raise ValueError(f"attention_chunk_size must be positive, not "
+                             f"{attention_chunk_size}")
+        if sinks_head_offset < 0:
+            raise ValueError(f"sinks_head_offset must be >= 0, not {sinks_head_offset}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -62,6 +80,8 @@ class Attention(nn.Module):
             kv_lora_rank=kv_lora_rank,
             kv_cache_dtype=getattr(attn_backend, "kv_cache_dtype", "auto"),
             causal=causal,
+            attention_chunk_size=attention_chunk_size,
+            use_sinks=use_sinks,
         )
         why = attn_backend.validate(self.spec, attn_backend.block_size)
         if why is not None:
@@ -72,6 +92,14 @@ class Attention(nn.Module):
         device = getattr(attn_backend, "device", None)
         self.k_scale = self._kv_scale_parameter(device)
         self.v_scale = self._kv_scale_parameter(device)
+        self.sinks_head_offset = sinks_head_offset
+        self._sinks_loaded = False
+        if use_sinks:  # the checkpoint must provide them (no optional_weight)
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32,
+                                                  device=device), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.sinks = None
 
     def _kv_scale_parameter(self, device: Any) -> nn.Parameter:
         """A float32 scalar the checkpoint may fill (``optional_weight``), 1.0 otherwise."""
@@ -93,8 +121,33 @@ class Attention(nn.Module):
         param.copy_(value.reshape(()).to(torch.float32))
         self.process_weights_after_loading()
 
+    def _load_sinks(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """The checkpoint's sinks of every head ``[total_heads]``: keep this rank's
+        ``num_heads`` from ``sinks_head_offset`` (a tensor of exactly this rank's heads,
+        offset 0, is taken whole)."""
+        from engine.model_executor.lazy_tensor import materialize
+
+        if shard_id is not None:
+            raise ValueError(f"attention sinks have no shard {shard_id!r}")
+        value = materialize(loaded)
+        first, count = self.sinks_head_offset, self.num_heads
+        if value.dim() != 1 or value.shape[0] < first + count:
+            raise ValueError(
+                f"attention layer {self.layer_idx}: the checkpoint's sinks must be one logit "
+                f"per query head [total_heads], at least {first + count} for this rank's "
+                f"heads {first}..{first + count - 1}, not shape {tuple(value.shape)}")
+        param.copy_(value[first:first + count].to(torch.float32))
+        self._sinks_loaded = True
+        self.process_weights_after_loading()
+
     def process_weights_after_loading(self) -> None:
-        """Hand the (loaded or default) scales to the kernel object as floats."""
+        """Hand the (loaded or default) scales to the kernel object as floats, and the
+        sinks (once loaded) as a float32 tensor."""
+        if self.sinks is not None and self._sinks_loaded:
+            if not bool((torch.isfinite(self.sinks) | torch.isneginf(self.sinks)).all()):
+                raise ValueError(f"attention layer {self.layer_idx}: sinks must not be NaN "
+                                 "or +inf")
+            self.impl.sinks = self.sinks.data
         scales = {"k_scale": float(self.k_scale), "v_scale": float(self.v_scale)}
         for name, value in scales.items():
             if not (math.isfinite(value) and value > 0):
@@ -134,6 +187,9 @@ class Attention(nn.Module):
         return (
             f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, window={self.spec.sliding_window}"
+            + ("" if self.spec.attention_chunk_size is None else
+               f", chunk={self.spec.attention_chunk_size}")
+            + (", sinks" if self.spec.use_sinks else "")
             + ("" if self.spec.kv_cache_dtype == "auto" else
                f", kv_cache={self.spec.kv_cache_dtype} (k_scale={self.impl.k_scale:g}, "
                f"v_scale={self.impl.v_scale:g})")

@@ -12,7 +12,11 @@ Routing (:func:`select_experts`) is device-neutral torch on the router logits:
 
 The experts' weights are stacked per layer (``w13 [E, 2I, H]``: each expert's gate rows
 then up rows; ``w2 [E, H, I]``) so one kernel call runs them all. Checkpoint tensors
-(``experts.{e}.gate_proj`` / ``w1`` ...) load into their expert's slice.
+(``experts.{e}.gate_proj`` / ``w1`` ...) load into their expert's slice; a model whose
+checkpoint stacks a layer's experts in one tensor hands it over in this layout through
+:meth:`FusedMoE.load_stacked`. With ``bias`` the experts also have ``w13_bias [E, 2I]``
+and ``w2_bias [E, H]`` (GPT-OSS; the down bias is added once, by the first rank, when the
+partial sums are all-reduced).
 
 Parallelism, over the tensor-parallel group:
 
@@ -97,6 +101,9 @@ def select_moe_kernel(spec: MoELayerSpec, kernels: list[type[FusedMoEKernel]]) -
     reasons = []
     for kernel_cls in kernels:
         why = kernel_cls.can_implement(spec)
+        if why is None and spec.has_bias and not getattr(kernel_cls, "supports_expert_bias",
+                                                         False):
+            why = "it has no expert biases"
         if why is None:
             return kernel_cls()
         reasons.append(f"{kernel_cls.name}: {why}")
@@ -134,6 +141,7 @@ class FusedMoE(nn.Module):
         tp: Communicator | None = None,
         expert_parallel: bool = False,
         activation: str = "silu",
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.router = router
@@ -163,9 +171,17 @@ class FusedMoE(nn.Module):
         self.w13.shard_ids = tuple((part, g) for g in local for part in ("w1", "w3"))
         self.w2.weight_loader = self._load_expert
         self.w2.shard_ids = tuple(("w2", g) for g in local)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * local_inter, dtype=dtype,
+                                                     device=device), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype, device=device),
+                                        requires_grad=False)
+        # The down bias once over partial sums: only the first rank of a sharded layer.
+        self.adds_down_bias = self.expert_parallel or rank == 0
         self.kernel = select_moe_kernel(
             MoELayerSpec(e, hidden_size, local_inter, router.top_k, dtype, torch.device(device),
-                         activation), kernels)
+                         activation, has_bias=bias), kernels)
         self.load = ExpertLoad(router.num_experts, torch.device(device))
 
     @property
@@ -199,15 +215,51 @@ class FusedMoE(nn.Module):
         copy_checked(rows, materialize(split_part(loaded, 0, index, parts)),
                      f"expert {expert} {part}")
 
+    def load_stacked(self, name: str, loaded: Any) -> None:
+        """A checkpoint tensor holding every expert of the layer, already in this layer's
+        layout with the whole intermediate size: ``w13 [E, 2I, H]`` (gate rows, then up
+        rows), ``w2 [E, H, I]``, ``w13_bias [E, 2I]``, ``w2_bias [E, H]``. This rank's
+        experts and intermediate part are copied."""
+        param = getattr(self, name, None) if name in ("w13", "w2", "w13_bias",
+                                                      "w2_bias") else None
+        if param is None:
+            raise ValueError(f"the experts have no stacked parameter {name!r}")
+        experts = self.router.num_experts
+        if loaded.shape[0] != experts:
+            raise ValueError(f"{name}: {loaded.shape[0]} experts, the layer has {experts}")
+        mine = materialize(loaded.narrow(0, self.first_expert, self.num_local_experts))
+        index, parts = self.intermediate_part
+        if name in ("w13", "w13_bias"):
+            gate, up = mine.chunk(2, dim=1)
+            mine = torch.cat((split_part(gate, 1, index, parts),
+                              split_part(up, 1, index, parts)), dim=1)
+        elif name == "w2":
+            mine = split_part(mine, 2, index, parts)
+        copy_checked(param, mine, f"experts {name}")
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("moe.select_experts"):
             weights, ids = select_experts(router_logits, self.router, correction_bias)
-            self.load.observe(ids)
+        return self.forward_routed(hidden, weights, ids)
+
+    def forward_routed(self, hidden: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """The experts for routing the caller chose: ``weights [T, k]`` float32, ``ids
+        [T, k]`` global expert ids."""
+        self.load.observe(ids)
         if self.expert_parallel:
             return self._forward_expert_parallel(hidden, weights, ids)
         with record_function("moe.experts"):
+            return self._apply(hidden, weights, ids)
+
+    def _apply(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+               ) -> torch.Tensor:
+        if self.w13_bias is None:
             return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation)
+        return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation,
+                                 w13_bias=self.w13_bias,
+                                 w2_bias=self.w2_bias if self.adds_down_bias else None)
 
     def _forward_expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor,
                                  ids: torch.Tensor) -> torch.Tensor:
@@ -234,8 +286,7 @@ class FusedMoE(nn.Module):
             their_meta = comm.all_to_all(meta, send, recv)
         local_ids = (their_meta[:, 0].long() - self.first_expert).unsqueeze(1)
         with record_function("moe.experts"):
-            done = self.kernel.apply(rows, self.w13, self.w2, their_meta[:, 1:2].float(),
-                                     local_ids, self.activation)
+            done = self._apply(rows, their_meta[:, 1:2].float(), local_ids)
         with record_function("moe.all_to_all"):
             back = comm.all_to_all(done, recv, send)
         combined = hidden.new_zeros((chunk, hidden.shape[1]))

@@ -60,3 +60,52 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in float32, then cast back
+    (HF multiplies before the cast, unlike Llama). The weight is stored zero-centred, as
+    checkpoints hold it. ``norm(x, residual)`` adds and normalizes like :class:`RMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        summed = residual + x
+        return self._norm(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class Float32LayerNorm(nn.Module):
+    """LayerNorm computed in float32 and cast back, with a weight and no bias (Cohere's
+    ``(x - mean) / sqrt(var + eps) * weight``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

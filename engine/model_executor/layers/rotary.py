@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.core.interfaces import FusedOps
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # LongRoPE (Phi-3): per-frequency divisors inside / beyond the original context.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     @property
     def max_positions(self) -> int:
@@ -54,8 +57,10 @@ class RopeScaling:
         return self.max_position_embeddings
 
 
-def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
-    """Read rope settings from a transformers config (v5 ``rope_parameters`` or v4 fields)."""
+def rope_scaling_from_config(hf_config: Any, *, allow_partial: bool = False) -> RopeScaling:
+    """Read rope settings from a transformers config (v5 ``rope_parameters`` or v4 fields).
+    ``allow_partial``: the caller rotates only part of each head (see
+    :func:`partial_rotary_factor`), so a partial factor is no error."""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -64,13 +69,15 @@ def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
     if "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
     rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type == "su":  # Phi-3's first name for LongRoPE
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_ROPE_TYPES)
         )
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
+    if partial not in (None, 1.0) and not allow_partial:
         raise ValueError(f"partial rotary embeddings (factor {partial}) are not supported")
     max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     if max_pos <= 0:
@@ -83,6 +90,8 @@ def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
     )
     if rope_type == "default":
         return scaling
+    if rope_type == "longrope":
+        return _longrope_scaling(scaling, params, hf_config)
     if params.get("factor") is None:
         raise ValueError(f"rope_type {rope_type!r} needs a 'factor' in the rope parameters")
     extra: dict[str, Any] = {"factor": float(params["factor"])}
@@ -100,6 +109,62 @@ def rope_scaling_from_config(hf_config: Any) -> RopeScaling:
     if rope_type == "yarn":
         extra.update(_yarn_parameters(params, hf_config, max_pos, extra["factor"]))
     return RopeScaling(**{**scaling.__dict__, **extra})
+
+
+def partial_rotary_factor(hf_config: Any) -> float:
+    """The fraction of each head's dims that RoPE rotates (1.0: all)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    return 1.0 if factor is None else float(factor)
+
+
+def _longrope_scaling(scaling: RopeScaling, params: dict[str, Any], hf_config: Any
+                      ) -> RopeScaling:
+    """LongRoPE as transformers' ``_compute_longrope_parameters`` reads it: the factor
+    defaults to max / original positions, the attention factor to
+    ``sqrt(1 + ln(factor) / ln(original))``."""
+    missing = [k for k in ("short_factor", "long_factor") if not params.get(k)]
+    if missing:
+        raise ValueError(f"longrope without its per-frequency factors is not supported "
+                         f"(the rope parameters lack {missing})")
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None)
+                   or scaling.max_position_embeddings)
+    factor = params.get("factor")
+    if factor is None:
+        factor = scaling.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return RopeScaling(**{
+        **scaling.__dict__, "factor": float(factor), "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
+        "short_factor": tuple(float(f) for f in params["short_factor"]),
+        "long_factor": tuple(float(f) for f in params["long_factor"]),
+    })
+
+
+def _longrope_inv_freq(scaling: RopeScaling, dim: int) -> torch.Tensor:
+    """``[max_positions, dim // 2]``: the short factors' frequencies for positions inside
+    the original context, the long factors' beyond it. Transformers picks one set per
+    forward call from its longest sequence; a paged engine cannot re-rotate cached keys,
+    so position ``p`` gets the set transformers uses when ``p`` is the newest token (as
+    for dynamic NTK above): identical to its model's token-by-token decoding, and to any
+    forward that stays inside the original context. (Its Phi-3 ``generate`` also drops
+    the cache once the sequence outgrows the original context, re-rotating the earlier
+    keys with the long factors; see engine/model_executor/models/phi3.py.)"""
+    for name in ("short_factor", "long_factor"):
+        if len(getattr(scaling, name)) != dim // 2:
+            raise ValueError(f"longrope {name} has {len(getattr(scaling, name))} entries, "
+                             f"the rotary dims need {dim // 2}")
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short = 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32)
+                   * scaling.theta**exponent)
+    long = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32)
+                  * scaling.theta**exponent)
+    is_long = torch.arange(scaling.max_positions) >= scaling.original_max_position_embeddings
+    return torch.where(is_long[:, None], long[None, :], short[None, :])
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -183,6 +248,8 @@ def compute_inv_freq(scaling: RopeScaling, head_size: int) -> torch.Tensor:
         return torch.where(is_medium, smoothed, scaled)
     if scaling.rope_type == "yarn":
         return _yarn_inv_freq(scaling, dim)
+    if scaling.rope_type == "longrope":
+        return _longrope_inv_freq(scaling, dim)
     raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
 
 
@@ -222,7 +289,7 @@ class RotaryEmbedding(nn.Module):
         # float32 products as transformers computes them, then cos/sin, then the cast.
         freqs = t[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
         cos, sin = freqs.cos(), freqs.sin()
-        if scaling.attention_factor != 1.0:  # YaRN scales cos and sin
+        if scaling.attention_factor != 1.0:  # YaRN and LongRoPE scale cos and sin
             cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         cache = torch.cat([cos, sin], dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
@@ -267,3 +334,58 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, {self.scaling}"
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE on the first ``rotary_dim`` dims of each ``head_size`` head (the rest pass
+    through), optionally in the GPT-J ``interleaved`` convention (pairs ``(2i, 2i + 1)``
+    rotate by frequency ``i``; GLM-4, Ernie 4.5).
+
+    Interleaved pairs are gathered into NeoX halves before the rotation and left that
+    way: q and k get the same permutation of their rotary dims, so every ``q . k`` (all
+    attention reads of them) is unchanged, and the arithmetic per element is HF's.
+    ``compute_dtype``: the table's and rotation's dtype when the model computes RoPE
+    wider than its activations (Ernie 4.5 rotates in float32)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, scaling: RopeScaling, *,
+                 dtype: torch.dtype, device: torch.device | str, interleaved: bool = False,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        if not 0 < rotary_dim <= head_size:
+            raise ValueError(f"rotary dims {rotary_dim} do not fit a head of {head_size}")
+        super().__init__(rotary_dim, scaling, dtype=compute_dtype or dtype, device=device)
+        self.full_head_size = head_size
+        self.interleaved = interleaved
+        self.compute_dtype = compute_dtype
+
+    def apply(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        tokens, dim = x.shape[0], self.head_size
+        heads = x.view(tokens, -1, self.full_head_size)
+        rot = heads[..., :dim]
+        if self.interleaved:
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+        if self.compute_dtype is not None:
+            rot = rot.to(self.compute_dtype)
+        rot = super().apply(rot.reshape(tokens, -1), rope).view(tokens, -1, dim).to(x.dtype)
+        if dim == self.full_head_size:
+            return rot.reshape(x.shape)
+        return torch.cat((rot, heads[..., dim:]), dim=-1).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.full_head_size}, rotary_dim={self.head_size}, "
+                f"interleaved={self.interleaved}, {self.scaling}")
+
+
+def rotary_for_config(hf_config: Any, head_size: int, *, dtype: torch.dtype,
+                      device: torch.device | str, fused_ops: FusedOps | None = None,
+                      interleaved: bool = False, compute_dtype: torch.dtype | None = None
+                      ) -> RotaryEmbedding:
+    """The rotary embedding a config asks for: :class:`RotaryEmbedding` when it rotates
+    whole heads NeoX-style, else :class:`PartialRotaryEmbedding` (``partial_rotary_factor``
+    < 1, ``interleaved`` pairs, or a wider ``compute_dtype``)."""
+    scaling = rope_scaling_from_config(hf_config, allow_partial=True)
+    rotary_dim = int(head_size * partial_rotary_factor(hf_config))
+    if rotary_dim == head_size and not interleaved and compute_dtype in (None, dtype):
+        return RotaryEmbedding(head_size, scaling, dtype=dtype, device=device,
+                               fused_ops=fused_ops)
+    return PartialRotaryEmbedding(head_size, rotary_dim, scaling, dtype=dtype, device=device,
+                                  interleaved=interleaved, compute_dtype=compute_dtype)

@@ -62,6 +62,7 @@ class DecoderOptions:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty: all full attention
+    attn_scale: float | None = None  # softmax scale; None: head_size ** -0.5
 
     def window(self, layer_idx: int) -> int | None:
         return self.sliding_windows[layer_idx] if self.sliding_windows else None
@@ -155,7 +156,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads,
             self.head_size,
-            self.head_size**-0.5,
+            opts.attn_scale or self.head_size**-0.5,
             self.num_kv_heads,
             layer_idx,
             ctx.attn_backend,
@@ -225,7 +226,8 @@ class PPMissingLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
-                 make_mlp: Any = None, make_attention: Any = None) -> None:
+                 make_mlp: Any = None, make_attention: Any = None, make_layer: Any = None,
+                 make_rotary: Any = None) -> None:
         super().__init__()
         common = {"dtype": ctx.dtype, "device": ctx.device}
         fused = {"fused_ops": ctx.fused_ops}
@@ -236,13 +238,14 @@ class LlamaModel(nn.Module):
                 hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
                 device=ctx.device, **fused, tp=ctx.tp,
             )
-        rotary_emb = RotaryEmbedding(
+        rotary_emb = make_rotary(hf_config, ctx, opts) if make_rotary else RotaryEmbedding(
             opts.head_size, rope_scaling_from_config(hf_config), **common, **fused
         )
         self.rotary_emb = rotary_emb  # shared by every layer
         self.stage_layers = ctx.stage_layers(hf_config.num_hidden_layers)
+        make_layer = make_layer or LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, ctx, opts, i, rotary_emb, make_mlp, make_attention)
+            make_layer(hf_config, ctx, opts, i, rotary_emb, make_mlp, make_attention)
             if i in self.stage_layers else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers)
         )
@@ -274,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
 
     supports_pipeline_parallel = True
     attention_cls: Any = None  # None: LlamaAttention (MLA models name theirs)
+    decoder_layer_cls: Any = None  # None: LlamaDecoderLayer (same constructor signature)
+    make_rotary: Any = None  # None: RotaryEmbedding; else (hf_config, ctx, opts) -> rotary
     stacked_params: tuple[StackedParam, ...] = STACKED_PARAMS
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
@@ -290,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
         self.activation_dtype = ctx.dtype  # what a pipeline stage hands the next
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
-        self.model = LlamaModel(hf_config, ctx, self.opts, self.make_mlp, self.attention_cls)
+        self.model = LlamaModel(hf_config, ctx, self.opts, self.make_mlp, self.attention_cls,
+                                self.decoder_layer_cls, self.make_rotary)
         self.stage_layers = self.model.stage_layers
         self.num_layers = len(self.stage_layers)  # this rank's (its KV caches)
         first = self.model.layers[self.stage_layers.start]

@@ -45,9 +45,18 @@ Per layer, :meth:`CPUAttentionImpl.forward`:
    expanded (not copied) to ``[kv_heads, group, keys, D]``, with a causal mask offset
    by the context length (SDPA's own ``is_causal`` when there is no context or window).
 
+Chunked local attention (Llama 4, ``spec.attention_chunk_size = C``) and sliding
+windows are per-query key starts: ``C * (p // C)`` and ``p - window + 1`` for a query at
+position ``p`` (the C kernel computes them per query row from its ``seq_len``; the torch
+paths mask per row). No path reads a cache block, or a block-table entry, before the
+first key a query of the step needs: those blocks may already be freed. Learned sinks
+(GPT-OSS, ``spec.use_sinks``; ``impl.sinks`` float32 ``[num_heads]``) add
+``exp(sink_h)`` to each row's softmax denominator: the C kernel when it normalizes a
+row (after merging its key splits), the torch paths as one more softmax column.
+
 Everything that depends only on the batch (block indices, masks per sliding-window
-size) is computed once per step in :class:`CPUAttentionMetadata` and shared by all
-layers. Masked-out cache slots must hold finite values (caches start zero-filled):
+size and chunk size) is computed once per step in :class:`CPUAttentionMetadata` and
+shared by all layers. Masked-out cache slots must hold finite values (caches start zero-filled):
 a masked key gets probability 0, but ``0 * inf`` would still poison the sum.
 """
 
@@ -171,8 +180,9 @@ class CPUAttentionMetadata:
     _token_queries: _TokenQueries | None = None
     mla_plan: MLAPlan | None = None  # built by the step's first MLA layer (mla_attention)
     _write_index: _WriteIndex | None = None
-    _decode_plans: dict[int | None, _KeyPlan] = field(default_factory=dict)
-    _prefill_plans: dict[tuple[int | None, int], list[_KeyPlan]] = field(default_factory=dict)
+    _decode_plans: dict[tuple[int | None, int | None], _KeyPlan] = field(default_factory=dict)
+    _prefill_plans: dict[tuple[int | None, int | None, int], list[_KeyPlan]] = field(
+        default_factory=dict)
 
     def write_index(self) -> _WriteIndex:
         """Block / offset of every written row, for the torch-op store (built once)."""
@@ -213,44 +223,53 @@ class CPUAttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_seq_lens.shape[0])
 
-    def decode_plan(self, window: int | None) -> _KeyPlan:
-        plan = self._decode_plans.get(window)
+    def decode_plan(self, window: int | None, chunk: int | None = None) -> _KeyPlan:
+        plan = self._decode_plans.get((window, chunk))
         if plan is None:
-            plan = self._decode_plans[window] = self._make_decode_plan(window)
+            plan = self._decode_plans[window, chunk] = self._make_decode_plan(window, chunk)
         return plan
 
-    def prefill_plans(self, window: int | None, prefills: list[_Prefill]) -> list[_KeyPlan]:
+    def prefill_plans(self, window: int | None, prefills: list[_Prefill],
+                      chunk: int | None = None) -> list[_KeyPlan]:
         """Key plans of ``prefills``: all of the step's, or the C path's long ones (a
         subset, so the two lists differ in length when they differ)."""
-        key = (window, len(prefills))
+        key = (window, chunk, len(prefills))
         plans = self._prefill_plans.get(key)
         if plans is None:
             plans = self._prefill_plans[key] = [
-                self._make_prefill_plan(p, window) for p in prefills
+                self._make_prefill_plan(p, window, chunk) for p in prefills
             ]
         return plans
 
-    def _make_decode_plan(self, window: int | None) -> _KeyPlan:
+    def _make_decode_plan(self, window: int | None, chunk: int | None) -> _KeyPlan:
+        """The blocks from each decode's first key on (never a block before it: blocks
+        outside a window or before the query's chunk may already be freed)."""
         bs = self.block_size
         seq = self.decode_seq_lens
         last_block = (seq + bs - 1) // bs  # exclusive
-        first_block = torch.zeros_like(seq)
+        first_key = torch.zeros_like(seq)
         if window is not None:
-            first_block = (seq - window).clamp(min=0) // bs
+            first_key = (seq - window).clamp(min=0)
+        if chunk is not None:  # the query (position seq - 1) sees its own chunk only
+            first_key = torch.maximum(first_key, (seq - 1) // chunk * chunk)
+        first_block = first_key // bs
         width = int((last_block - first_block).max())
         cols = first_block[:, None] + torch.arange(width, device=seq.device)  # unclamped
-        max_col = self.decode_block_tables.shape[1] - 1
-        blocks = self.decode_block_tables.gather(1, cols.clamp(max=max_col))
+        # Columns past a row's last block (shorter rows of the padded width) repeat that
+        # block, masked: no padding entry of the table is read.
+        blocks = self.decode_block_tables.gather(1, torch.minimum(cols, last_block[:, None] - 1))
         key_pos = (cols[:, :, None] * bs + torch.arange(bs, device=seq.device)).flatten(1)
-        mask = key_pos < seq[:, None]
-        if window is not None:
-            mask &= key_pos >= (seq - window)[:, None]
+        mask = (key_pos < seq[:, None]) & (key_pos >= first_key[:, None])
         return _KeyPlan(blocks, mask[:, None, None, :])
 
-    def _make_prefill_plan(self, p: _Prefill, window: int | None) -> _KeyPlan:
+    def _make_prefill_plan(self, p: _Prefill, window: int | None,
+                           chunk: int | None) -> _KeyPlan:
         bs = self.block_size
         q_len = p.end - p.start
-        first_key = 0 if window is None else max(0, p.seq_len - q_len - window + 1)
+        first_query = p.seq_len - q_len
+        first_key = 0 if window is None else max(0, first_query - window + 1)
+        if chunk is not None:  # the first query's chunk start: no earlier key is needed
+            first_key = max(first_key, first_query // chunk * chunk)
         first_block = first_key // bs
         blocks = p.block_ids[first_block:]
         device = blocks.device
@@ -259,7 +278,10 @@ class CPUAttentionMetadata:
         mask = key_pos[None, :] <= query_pos[:, None]
         if window is not None:
             mask &= key_pos[None, :] > (query_pos - window)[:, None]
-        causal = q_len == p.seq_len and (window is None or window >= q_len)
+        if chunk is not None:
+            mask &= key_pos[None, :] >= (query_pos // chunk * chunk)[:, None]
+        causal = q_len == p.seq_len and (window is None or window >= q_len) and (
+            chunk is None or chunk >= q_len)
         return _KeyPlan(blocks, mask, causal=causal)
 
 
@@ -270,16 +292,42 @@ def _attend(
     plan: _KeyPlan,
     scale: float,
     soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention over ``plan``'s keys; ``q``, ``k``, ``v`` share batch dims."""
-    if soft_cap is None:
+    """Softmax attention over ``plan``'s keys; ``q``, ``k``, ``v`` share batch dims.
+    ``sinks``: float32 sink logits broadcastable to the scores' ``[..., q_len, 1]``, one
+    more (value-less, uncapped) column of each row's softmax."""
+    if soft_cap is None and sinks is None:
         if plan.causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.bias(q.dtype), scale=scale)
+    if plan.mask.dim() == 2:  # a prefill: materialize the scores a block of rows at a time
+        q_len, keys = plan.mask.shape
+        rows = max(16, EXPLICIT_SCORES_BUDGET // max(1, keys * math.prod(q.shape[:-2])))
+        if q_len > rows:
+            return torch.cat([
+                _explicit(q[..., i:i + rows, :], k, v, plan.mask[i:i + rows], scale, soft_cap,
+                          sinks)
+                for i in range(0, q_len, rows)], dim=-2)
+    return _explicit(q, k, v, plan.mask, scale, soft_cap, sinks)
+
+
+# Score elements (float32) the explicit path (soft caps, sinks) materializes at once for
+# a prefill chunk: longer chunks go a block of query rows at a time.
+EXPLICIT_SCORES_BUDGET = 1 << 24
+
+
+def _explicit(q, k, v, mask, scale, soft_cap, sinks) -> torch.Tensor:
+    """Scores, caps, masks and the sink column spelled out (float32 softmax)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~plan.mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    sink_col = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class CPUAttentionImpl(AttentionImpl):
@@ -336,7 +384,8 @@ class CPUAttentionImpl(AttentionImpl):
                 rows = metadata.decode_rows
                 out[rows] = self._decode(query[rows], key_cache, value_cache, metadata)
             prefills = metadata.prefills
-        for p, plan in zip(prefills, metadata.prefill_plans(window, prefills)):
+        plans = metadata.prefill_plans(window, prefills, self.spec.attention_chunk_size)
+        for p, plan in zip(prefills, plans):
             out[p.start : p.end] = self._prefill(
                 query[p.start : p.end], key_cache, value_cache, plan
             )
@@ -350,13 +399,28 @@ class CPUAttentionImpl(AttentionImpl):
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """The C kernel: query row i attends to keys ``[0, seq_lens[i])`` of its table."""
+        """The C kernel: query row i attends to keys ``[0, seq_lens[i])`` of its table
+        (from its window's or chunk's start)."""
         spec = self.spec
         return self.kernels.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens,
             spec.scale, spec.sliding_window, spec.logits_soft_cap,
             k_scale=self.k_scale, v_scale=self.v_scale,
+            chunk=spec.attention_chunk_size, sinks=self._sink_logits(),
         )
+
+    def _sink_logits(self) -> torch.Tensor | None:
+        """``self.sinks`` as contiguous float32 ``[num_heads]`` (None without sinks)."""
+        if not self.spec.use_sinks:
+            return None
+        sinks = self.sinks
+        if sinks is None:
+            raise ValueError("this attention layer uses sinks (spec.use_sinks) but its "
+                             "impl.sinks were never set (load the layer's weights first)")
+        if sinks.shape != (self.spec.num_heads,):
+            raise ValueError(f"impl.sinks must hold one logit per query head "
+                             f"({self.spec.num_heads}), not shape {tuple(sinks.shape)}")
+        return sinks.detach().to(torch.float32).contiguous()
 
     def _cache_views(
         self, kv_cache: torch.Tensor, block_size: int
@@ -427,12 +491,15 @@ class CPUAttentionImpl(AttentionImpl):
         md: CPUAttentionMetadata,
     ) -> torch.Tensor:
         spec = self.spec
-        plan = md.decode_plan(spec.sliding_window)
+        plan = md.decode_plan(spec.sliding_window, spec.attention_chunk_size)
         keys = self._widen(self._gather_keys(key_cache, plan), self.k_scale,
                            query.dtype)  # [Rd, Hkv, L, D]
         values = self._widen(self._gather_values(value_cache, plan), self.v_scale, query.dtype)
         q = query.view(-1, spec.num_kv_heads, self.group, spec.head_size)
-        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
+        sinks = self._sink_logits()
+        if sinks is not None:  # scores [Rd, Hkv, group, L]
+            sinks = sinks.view(spec.num_kv_heads, self.group, 1)
+        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap, sinks)
         return out.reshape(-1, spec.num_heads, spec.head_size)
 
     def _prefill(
@@ -451,7 +518,10 @@ class CPUAttentionImpl(AttentionImpl):
         values = self._widen(self._gather_values(value_cache, plan), self.v_scale, query.dtype)
         keys, values = keys.unsqueeze(1).expand(shape), values.unsqueeze(1).expand(shape)
         q = query.view(q_len, spec.num_kv_heads, self.group, spec.head_size).permute(1, 2, 0, 3)
-        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap)
+        sinks = self._sink_logits()
+        if sinks is not None:  # scores [Hkv, group, q_len, L]
+            sinks = sinks.view(spec.num_kv_heads, self.group, 1, 1)
+        out = _attend(q, keys, values, plan, spec.scale, spec.logits_soft_cap, sinks)
         return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, spec.head_size)
 
 
@@ -485,9 +555,22 @@ class CPUAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_attention_sinks(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_chunked_local_attention(cls) -> bool:
+        return True
+
+    @classmethod
     def validate(cls, spec: AttentionLayerSpec, block_size: int) -> str | None:
         if spec.is_mla and (spec.sliding_window or spec.logits_soft_cap):
             return f"{cls.name} MLA attention has no sliding window or logits soft cap"
+        if not spec.causal and (spec.use_sinks or spec.attention_chunk_size is not None):
+            return (f"{cls.name} encoder (non-causal) attention has no sinks or chunked "
+                    "local attention")
+        if spec.attention_chunk_size is not None and spec.attention_chunk_size <= 0:
+            return f"attention_chunk_size must be positive, not {spec.attention_chunk_size}"
         return super().validate(spec, block_size)
 
     def allocate_kv_cache(

@@ -4,7 +4,8 @@ The (token, choice) pairs are sorted by expert once (argsort), the tokens gather
 order, and each expert's contiguous run of rows goes through its two GEMMs (torch's, on
 oneDNN / MKL) with the gated activation between them; the routing weights scale the rows
 and one ``index_add_`` sums each token's choices. The Python loop is over experts that
-received tokens (at most ``E`` GEMM pairs per layer), never over tokens.
+received tokens (at most ``E`` GEMM pairs per layer), never over tokens. Expert biases
+and GPT-OSS's clamped SwiGLU (``swigluoai``) follow the interface's definitions.
 """
 
 from __future__ import annotations
@@ -14,24 +15,38 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from engine.core.interfaces import FusedMoEKernel, MoELayerSpec
+from engine.core.interfaces.moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
+def _gated(act: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``act(gate) * up``, or GPT-OSS's clamped SwiGLU for ``swigluoai``."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if act == "swigluoai":
+        gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+        up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
+    return _ACTIVATIONS[act](gate) * up
+
+
 class CPUFusedMoE(FusedMoEKernel):
     name = "cpu_grouped_gemm"
+    supports_expert_bias = True
 
     @classmethod
     def can_implement(cls, spec: MoELayerSpec) -> str | None:
         if spec.device.type != "cpu":
             return f"runs on the CPU, not {spec.device.type}"
-        if spec.activation not in _ACTIVATIONS:
-            return f"activation {spec.activation!r} is not one of {sorted(_ACTIVATIONS)}"
+        if spec.activation not in (*_ACTIVATIONS, "swigluoai"):
+            return (f"activation {spec.activation!r} is not one of "
+                    f"{sorted(_ACTIVATIONS) + ['swigluoai']}")
         if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             return f"dtype {spec.dtype} is not supported"
         return None
 
-    def apply(self, hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    def apply(self, hidden, w13, w2, topk_weights, topk_ids, activation="silu", *,
+              w13_bias=None, w2_bias=None):
         num_tokens, top_k = topk_ids.shape
         out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         with record_function("moe.permute"):
@@ -45,7 +60,6 @@ class CPUFusedMoE(FusedMoEKernel):
             counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
             tokens = pairs // top_k
             rows = hidden.index_select(0, tokens)
-        act = _ACTIVATIONS[activation]
         inter = w2.shape[2]
         done = torch.empty(len(pairs), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         start = 0
@@ -54,9 +68,16 @@ class CPUFusedMoE(FusedMoEKernel):
                 if not count:
                     continue
                 segment = rows[start : start + count]
-                gate_up = segment @ w13[expert].t()
-                done[start : start + count] = (act(gate_up[:, :inter]) * gate_up[:, inter:]) @ (
-                    w2[expert].t())
+                if w13_bias is None:
+                    gate_up = segment @ w13[expert].t()
+                else:
+                    gate_up = torch.addmm(w13_bias[expert], segment, w13[expert].t())
+                gated = _gated(activation, gate_up, inter)
+                if w2_bias is None:
+                    done[start : start + count] = gated @ w2[expert].t()
+                else:
+                    done[start : start + count] = torch.addmm(w2_bias[expert], gated,
+                                                              w2[expert].t())
                 start += count
         with record_function("moe.combine"):
             scale = topk_weights.flatten()[pairs].unsqueeze(1)

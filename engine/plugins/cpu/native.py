@@ -197,6 +197,15 @@ class CPUKernels(FusedOps):
             _i32, _i32, _f32, _i32, _f32,  # block_size, cache dtype, scale, window, soft_cap
             _i32, _i32, _f32, _f32,  # num_splits, query dtype, fp8 k_scale, v_scale
         ])
+        # With chunked local attention or sinks; not in forward_graph.c's replay table
+        # (graph_id -1), so a layer using them runs eagerly (capture falls back).
+        self._decode_ext = _bind_op(lib.paged_decode_attention_ext, [
+            _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr,
+            _ptr, _i32, _i32, _i32, _i32,
+            _i32, _i32, _f32, _i32, _f32,
+            _i32, _i32, _f32, _f32,
+            _i32, _ptr,  # chunk (0: none), sinks (float32 [num_heads] or NULL)
+        ])
         self._write_kv = _bind_op(lib.write_kv, [
             _ptr, _i64, _i64, _ptr, _i64, _i64,  # key + strides, value + strides
             _ptr, _i64, _ptr, _ptr, _i64,  # slots, num_tokens, k_cache, v_cache, num_blocks
@@ -612,9 +621,16 @@ class CPUKernels(FusedOps):
         num_splits: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        chunk: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention straight from the paged cache; ``[R, H, D]`` in the query's dtype
         (which may be wider than the cache's: float32 activations over a bf16 cache).
+
+        ``chunk``: chunked local attention, row ``r`` (at position ``seq_lens[r] - 1``)
+        attends only to keys from ``chunk * ((seq_lens[r] - 1) // chunk)``; ``sinks``:
+        float32 ``[H]`` sink logits joining each head's softmax denominator. Either one
+        runs the entry point forward graphs cannot replay (capture then fails cleanly).
 
         ``num_splits``: key ranges per (request, KV head), merged afterwards; None lets
         the kernel pick (:meth:`decode_key_splits`), so a replayed graph picks per step.
@@ -641,8 +657,14 @@ class CPUKernels(FusedOps):
             num_splits = 0  # the kernel's choice
         elif not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+        if chunk is not None and chunk <= 0:
+            raise ValueError(f"the attention chunk size must be positive, not {chunk}")
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,)
+                                  or not sinks.is_contiguous()):
+            raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor, not "
+                             f"{sinks.dtype} {tuple(sinks.shape)}")
         out = torch.empty((num_reqs, num_heads, head_size), dtype=query.dtype)
-        status = self._decode(
+        args = (
             query.data_ptr(), query.stride(0), query.stride(1),
             key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
@@ -650,6 +672,11 @@ class CPUKernels(FusedOps):
             block_size, CACHE_DTYPE_CODES[dtype], scale, window or 0, soft_cap or 0.0,
             num_splits, DTYPE_CODES[query.dtype], k_scale, v_scale,
         )
+        if chunk is None and sinks is None:
+            status = self._decode(*args)
+        else:
+            status = self._decode_ext(*args, chunk or 0,
+                                      None if sinks is None else sinks.data_ptr())
         if status != 0:
             raise ValueError(
                 f"paged_decode_attention refused heads {num_heads}/{num_kv_heads} of size "

@@ -11,11 +11,18 @@ Clauses: ``[attention.varlen]`` (mixed prefill + decode batch, causal positions)
 ``[attention.paged]`` (K/V stored at ``slot_mapping`` and read back through
 ``block_tables``), ``[attention.gqa]`` (``num_kv_heads`` < ``num_heads``),
 ``[attention.sliding_window]``, ``[attention.cache_alloc]`` (zero-filled caches of
-``get_kv_cache_shape``).
+``get_kv_cache_shape``), ``[attention.sinks]`` (learned per-head sink logits in the
+softmax denominator, ``impl.sinks``; alone and with a sliding window, as GPT-OSS uses
+them) and ``[attention.chunked_local]`` (Llama 4's ``attention_chunk_size``: a query at
+position ``p`` sees keys ``C * (p // C) ..= p``; a chunk size that is no multiple of the
+block size). The last two are checked for every backend that opts in
+(``supports_attention_sinks()`` / ``supports_chunked_local_attention()``), and skipped
+only when none does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -30,6 +37,43 @@ NUM_HEADS = 4
 # (query_len, seq_len) of the mixed step: fresh prefill, chunked prefill, decodes.
 MIXED_STEP = [(5, 5), (3, 21), (1, 18), (1, 1), (1, 34)]
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# Per-head sink logits: one dominating the scores, one among them, one below, one off.
+SINKS = (3.0, 0.25, -2.0, float("-inf"))
+CHUNK_SIZE = 12  # no multiple of the block sizes tried: chunks start inside blocks
+
+
+def _reference(query, keys, values, query_lens, scale, sliding_window=None,
+               chunk_size=None, sinks=None) -> torch.Tensor:
+    """``paged_attention_reference`` with the chunk mask and the sink column: float64,
+    explicit masks, and each head's sink logit one more (value-less) softmax column."""
+    if chunk_size is None and sinks is None:
+        return paged_attention_reference(query, keys, values, query_lens, scale,
+                                         sliding_window)
+    num_heads = query.shape[1]
+    out, start = [], 0
+    for k, v, qlen in zip(keys, values, query_lens):
+        seq_len = k.shape[0]
+        group = num_heads // k.shape[1]
+        q = query[start:start + qlen].detach().to("cpu", torch.float64)
+        kk = k.detach().to("cpu", torch.float64).repeat_interleave(group, dim=1)
+        vv = v.detach().to("cpu", torch.float64).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        pos = torch.arange(seq_len - qlen, seq_len).unsqueeze(1)
+        key_pos = torch.arange(seq_len).unsqueeze(0)
+        allowed = key_pos <= pos
+        if sliding_window is not None:
+            allowed &= key_pos > pos - sliding_window
+        if chunk_size is not None:
+            allowed &= key_pos >= pos // chunk_size * chunk_size
+        scores = scores.masked_fill(~allowed, -math.inf)
+        if sinks is not None:
+            column = torch.tensor(sinks, dtype=torch.float64)[:, None, None].expand(-1, qlen, 1)
+            probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, vv))
+        start += qlen
+    return torch.cat(out, dim=0)
 
 
 def _head_size(backend_cls) -> int:
@@ -79,22 +123,36 @@ def check_attention_backend(
     dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
     seed: int = 0,
+    attention_chunk_size: int | None = None,
+    sinks: bool = False,
 ) -> None:
     """Run the two-step paged check on ``backend_cls``; AssertionError naming the clause.
 
-    Callable directly (a vendor's own test, or a test of the kit itself)."""
+    ``sinks``: the layer has learned sinks (``SINKS``, handed over as ``impl.sinks``);
+    ``attention_chunk_size``: chunked local attention. Callable directly (a vendor's own
+    test, or a test of the kit itself)."""
     head_size = _head_size(backend_cls)
-    spec = AttentionLayerSpec(NUM_HEADS, head_size, num_kv_heads, 1.0 / math.sqrt(head_size),
-                              sliding_window=sliding_window)
-    why = backend_cls.validate(spec, block_size)
+    plain = AttentionLayerSpec(NUM_HEADS, head_size, num_kv_heads,
+                               1.0 / math.sqrt(head_size), sliding_window=sliding_window)
+    why = backend_cls.validate(plain, block_size)
     if why is not None:
         pytest.skip(f"backend {backend_cls.name!r} refuses this layer: {why}")
+    spec = dataclasses.replace(plain, attention_chunk_size=attention_chunk_size,
+                               use_sinks=sinks)
+    clauses = (["[attention.sinks]"] if sinks else []) + (
+        ["[attention.chunked_local]"] if attention_chunk_size else [])
+    why = backend_cls.validate(spec, block_size)
+    if why is not None:  # it opted in (or the case would not run): refusing breaks that
+        raise AssertionError(
+            f"{''.join(clauses)} backend {backend_cls.name!r} claims support but its "
+            f"validate() refuses the layer: {why}")
     device = platform.device()
     gen = torch.Generator().manual_seed(seed)
-    clause = "[attention.sliding_window]" if sliding_window else (
-        "[attention.gqa]" if num_kv_heads < NUM_HEADS else "[attention.varlen]")
+    clause = "".join(clauses) or ("[attention.sliding_window]" if sliding_window else (
+        "[attention.gqa]" if num_kv_heads < NUM_HEADS else "[attention.varlen]"))
     where = (f"backend {backend_cls.name!r}, {dtype}, block_size {block_size}, "
-             f"kv heads {num_kv_heads}/{NUM_HEADS}, window {sliding_window}")
+             f"kv heads {num_kv_heads}/{NUM_HEADS}, window {sliding_window}, "
+             f"chunk {attention_chunk_size}, sinks {SINKS if sinks else None}")
 
     # Random block table: every request gets distinct, shuffled physical blocks.
     blocks_per_req = [-(-s // block_size) for _, s in MIXED_STEP]
@@ -119,6 +177,9 @@ def check_attention_backend(
     assert not torch.any(kv_cache.float() != 0), (
         f"[attention.cache_alloc] allocate_kv_cache must return zero-filled caches ({where})")
     impl = backend.make_impl(spec)
+    sink_logits = SINKS[:NUM_HEADS] if sinks else None
+    if sinks:  # what the attention layer hands over once its weights are loaded
+        impl.sinks = torch.tensor(sink_logits, dtype=torch.float32, device=device)
 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen, dtype=torch.float32)).to(dtype)
@@ -138,10 +199,11 @@ def check_attention_backend(
         assert tuple(out.shape) == (batch.num_tokens, NUM_HEADS, head_size), (
             f"{step_clause} output shape {tuple(out.shape)}, expected "
             f"{(batch.num_tokens, NUM_HEADS, head_size)} ({where})")
-        expected = paged_attention_reference(
+        expected = _reference(
             q, [hist_k[r][:s] for r, (_, s) in zip(rows, step_reqs)],
             [hist_v[r][:s] for r, (_, s) in zip(rows, step_reqs)],
-            [ql for ql, _ in step_reqs], spec.scale, sliding_window)
+            [ql for ql, _ in step_reqs], spec.scale, sliding_window,
+            attention_chunk_size, sink_logits)
         err = (out.detach().to("cpu", torch.float64) - expected).abs().max().item()
         tol = TOLERANCE.get(dtype, 3e-2)
         assert err <= tol, (
@@ -218,4 +280,40 @@ def test_sliding_window_attention(engine_platform):
              for b in _backends(engine_platform) if b.supports_sliding_window()]
     if not cases:
         pytest.skip("no attention backend of the platform supports sliding windows")
+    _run_all(engine_platform, cases)
+
+
+@pytest.mark.conformance("attention.sinks")
+@pytest.mark.parametrize("sliding_window", [None, 7], ids=["full", "window7"])
+def test_attention_sinks(engine_platform, sliding_window):
+    """[attention.sinks] per-head sink logits (``impl.sinks``, float32 [num_heads]) join
+    each row's softmax denominator without a value, alone and with a sliding window
+    (GPT-OSS), GQA, for every backend that claims ``supports_attention_sinks()``, every
+    block size and dtype it supports."""
+    cases = [(b, dict(num_kv_heads=2, block_size=block_size, dtype=dtype, sinks=True,
+                      sliding_window=sliding_window))
+             for b in _backends(engine_platform) if b.supports_attention_sinks()
+             and (sliding_window is None or b.supports_sliding_window())
+             for block_size in _block_sizes(b) for dtype in _dtypes(engine_platform)]
+    if not cases:
+        pytest.skip("no attention backend of the platform supports attention sinks"
+                    + ("" if sliding_window is None else " with a sliding window"))
+    _run_all(engine_platform, cases)
+
+
+@pytest.mark.conformance("attention.chunked_local")
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_chunked_local_attention(engine_platform, sinks):
+    """[attention.chunked_local] each query attends only within its chunk of
+    ``CHUNK_SIZE`` positions (chunks start inside cache blocks), GQA, for every backend
+    that claims ``supports_chunked_local_attention()`` (with sinks too where it claims
+    both)."""
+    cases = [(b, dict(num_kv_heads=2, block_size=block_size, dtype=dtype, sinks=sinks,
+                      attention_chunk_size=CHUNK_SIZE))
+             for b in _backends(engine_platform) if b.supports_chunked_local_attention()
+             and (not sinks or b.supports_attention_sinks())
+             for block_size in _block_sizes(b) for dtype in _dtypes(engine_platform)]
+    if not cases:
+        pytest.skip("no attention backend of the platform supports chunked local attention"
+                    + (" with sinks" if sinks else ""))
     _run_all(engine_platform, cases)

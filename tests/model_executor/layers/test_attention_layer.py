@@ -68,3 +68,76 @@ def test_forward_uses_its_layer_cache_and_matches_the_impl():
     torch.testing.assert_close(caches[1], ref_cache, atol=0, rtol=0)
     with pytest.raises(RuntimeError):
         get_forward_context()
+
+
+class NoSinksBackend(CPUAttentionBackend):
+    name = "plain"
+
+    @classmethod
+    def supports_attention_sinks(cls):
+        return False
+
+    @classmethod
+    def supports_chunked_local_attention(cls):
+        return False
+
+
+def test_sinks_and_chunks_the_backend_lacks_are_clear_errors():
+    backend = NoSinksBackend(block_size=4, device=CPU)
+    with pytest.raises(ValueError, match=r"'plain' cannot run layer 2: .*no attention sinks"):
+        Attention(4, 16, 0.1, 2, layer_idx=2, attn_backend=backend, use_sinks=True)
+    with pytest.raises(ValueError, match="no chunked local attention"):
+        Attention(4, 16, 0.1, 2, layer_idx=0, attn_backend=backend, attention_chunk_size=8)
+    with pytest.raises(ValueError, match="attention_chunk_size must be positive"):
+        Attention(4, 16, 0.1, 2, layer_idx=0, attn_backend=CPUAttentionBackend(4, CPU),
+                  attention_chunk_size=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sinks_load_this_ranks_slice_and_reach_the_kernel(rank):
+    """Two tensor-parallel ranks of a 4-head model hold 2 heads each: each keeps its
+    slice of the checkpoint's [4] sinks, and attends with them."""
+    backend = CPUAttentionBackend(block_size=4, device=CPU)
+    layer = Attention(2, 16, 0.25, 1, layer_idx=0, attn_backend=backend, use_sinks=True,
+                      sinks_head_offset=2 * rank, attention_chunk_size=3)
+    assert layer.spec.use_sinks and layer.spec.attention_chunk_size == 3
+    assert layer.sinks.shape == (2,) and layer.sinks.dtype == torch.float32
+    assert "sinks" in layer.extra_repr() and "chunk=3" in layer.extra_repr()
+    full = torch.tensor([0.5, -1.0, 2.0, 1.5], dtype=torch.bfloat16)
+    layer.sinks.weight_loader(layer.sinks, full)
+    want = full.float()[2 * rank:2 * rank + 2]
+    torch.testing.assert_close(layer.impl.sinks, want, atol=0, rtol=0)
+    # A decode at position 4 (chunk [3, 4]) over two cached keys.
+    gen = torch.Generator().manual_seed(rank)
+    keys, values = torch.randn(5, 1, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
+    cache = torch.zeros(backend.get_kv_cache_shape(2, 4, 1, 16))
+    key_rows = cache[0].view(2, 1, 4, 16)  # the torch-op layout is token-major...
+    if layer.impl.kernels is not None:  # ...the C kernel's dims-major
+        key_rows = cache[0].view(2, 1, 16, 4).transpose(2, 3)
+    key_rows[0, 0] = keys[:4, 0]  # positions 0..3 in block 0; the layer writes 4
+    cache[1].view(8, 16)[:4] = values[:4, 0]
+    batch = AttentionBatch(
+        num_reqs=1, num_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([4]), max_query_len=1, max_seq_len=5,
+    )
+    q = torch.randn(1, 32, generator=gen)
+    with set_forward_context(ForwardContext(backend.build_metadata(batch), [cache])):
+        out = layer(q, keys[4].reshape(1, 16), values[4].reshape(1, 16))
+    scores = q.view(2, 16).double() @ keys[3:, 0].double().T * 0.25  # [heads, 2 keys]
+    probs = torch.cat((scores, want.double()[:, None]), 1).softmax(-1)[:, :2]
+    ref = (probs @ values[3:, 0].double()).reshape(1, 32)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_bad_sinks_are_clear_errors():
+    layer = Attention(2, 16, 0.25, 1, layer_idx=5, attn_backend=CPUAttentionBackend(4, CPU),
+                      use_sinks=True, sinks_head_offset=2)
+    with pytest.raises(ValueError, match=r"layer 5.*at least 4 .* heads 2..3"):
+        layer.sinks.weight_loader(layer.sinks, torch.zeros(3))
+    with pytest.raises(ValueError, match="one logit per query head"):
+        layer.sinks.weight_loader(layer.sinks, torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="NaN"):
+        layer.sinks.weight_loader(layer.sinks, torch.tensor([0.0, 0.0, float("nan"), 1.0]))
+    assert layer.impl.sinks is None  # nothing handed over from a bad checkpoint

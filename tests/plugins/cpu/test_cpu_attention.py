@@ -145,8 +145,11 @@ def make_case(
 
 
 def reference(
-    case: Case, requests, num_heads: int, scale: float, window: int | None, soft_cap=None
+    case: Case, requests, num_heads: int, scale: float, window: int | None, soft_cap=None,
+    chunk: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``chunk``: a query at position p sees keys ``chunk * (p // chunk) ..= p`` only;
+    ``sinks`` ([H]): one more (uncapped, value-less) column of each head's softmax."""
     outs = []
     start = 0
     for (q_len, seq_len), k, v in zip(requests, case.hist_k, case.hist_v):
@@ -163,8 +166,15 @@ def reference(
         allowed = kpos <= qpos
         if window is not None:
             allowed &= kpos > qpos - window
+        if chunk is not None:
+            allowed &= kpos >= qpos // chunk * chunk
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # the sink column joins the softmax, then is dropped (it has no value)
+            sink_col = sinks.double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat((scores, sink_col), dim=-1).softmax(-1)[..., :-1]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
 
 
@@ -181,10 +191,12 @@ def decode_path(request, monkeypatch) -> str:
     return request.param
 
 
-def run_backend(case: Case, spec: AttentionLayerSpec, block_size: int) -> torch.Tensor:
+def run_backend(case: Case, spec: AttentionLayerSpec, block_size: int,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     backend = CPUAttentionBackend(block_size=block_size, device=CPU)
     assert backend.validate(spec, block_size) is None
     impl = backend.make_impl(spec)
+    impl.sinks = sinks
     uses_c = cpu_attention.load_kernels() is not None and CPUKernels.supports_attention(spec)
     assert (impl.kernels is not None) == uses_c
     metadata = backend.build_metadata(case.batch)
@@ -370,3 +382,131 @@ def test_bad_batches_are_rejected():
 
 def test_cache_shape():
     assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 2, 16 * 64)
+
+
+# -- chunked local attention (Llama 4) and attention sinks (GPT-OSS) -------------------
+def sink_logits(num_heads: int, seed: int = 11) -> torch.Tensor:
+    """Sinks from well below to well above the scores (-inf: a head whose sink is off)."""
+    gen = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(num_heads, generator=gen) * 3
+    sinks[0] = 6.0  # dominates most rows: the keys' share shrinks a lot
+    if num_heads > 2:
+        sinks[-1] = float("-inf")
+    return sinks.float()
+
+
+def poison_before(case: Case, requests, block_size: int, first_key) -> None:
+    """NaN into every cache block that lies wholly before a request's first needed key
+    (``first_key(q_len, seq_len)``): a backend that touched one would return NaN (the
+    blocks before a chunk's or window's start may be freed and reused)."""
+    for (q_len, seq_len), slots in zip(requests, case.slots):
+        first = first_key(q_len, seq_len)
+        for blk in set((slots[: first // block_size * block_size] // block_size).tolist()):
+            case.kv_cache[:, blk] = float("nan")
+
+
+# (query_len, seq_len): decodes on chunk edges, prefill chunks crossing chunk starts.
+CHUNKED = MIXED + [(1, 60), (12, 58), (1, 24), (1, 25), (9, 33)]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 24, 100])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_chunked_local_attention(chunk, block_size, dtype, kernel_max_context, monkeypatch):
+    """Chunk sizes below, equal to, not a multiple of and above the block size; the
+    blocks before each request's first query's chunk hold NaN."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    case = make_case(CHUNKED, 4, 2, 16, block_size, dtype, seed=8)
+    poison_before(case, CHUNKED, block_size, lambda q, s: (s - q) // chunk * chunk)
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, attention_chunk_size=chunk)
+    out = run_backend(case, spec, block_size)
+    ref = reference(case, CHUNKED, 4, 0.25, None, chunk=chunk)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,block_size",
+    [(4, 4, 16, 16), (8, 2, 16, 4), (6, 1, 32, 8), (10, 2, 64, 5)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_attention_sinks(num_heads, num_kv_heads, head_size, block_size, dtype,
+                         kernel_max_context, monkeypatch):
+    """MHA, GQA, MQA, a padded group of 5; decodes, chunks after context, first chunks."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    requests = MIXED + [(1, 70)]
+    case = make_case(requests, num_heads, num_kv_heads, head_size, block_size, dtype, seed=9)
+    sinks = sink_logits(num_heads)
+    scale = head_size**-0.5
+    spec = AttentionLayerSpec(num_heads, head_size, num_kv_heads, scale, use_sinks=True)
+    out = run_backend(case, spec, block_size, sinks)
+    ref = reference(case, requests, num_heads, scale, None, sinks=sinks)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+    # the sinks matter: without them the result is another one
+    assert (reference(case, requests, num_heads, scale, None) - ref).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("window", [5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_sliding_window_with_sinks_and_soft_cap(window, dtype, kernel_max_context,
+                                                monkeypatch):
+    """GPT-OSS: windowed layers with sinks (the sink uncapped when scores are capped);
+    blocks before each window hold NaN."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    requests = MIXED + [(1, 60), (12, 58)]
+    case = make_case(requests, 8, 2, 16, 4, dtype, seed=10)
+    poison_before(case, requests, 4, lambda q, s: max(0, s - q - window + 1))
+    sinks = sink_logits(8)
+    for cap in (None, 2.0):
+        spec = AttentionLayerSpec(8, 16, 2, 0.25, sliding_window=window, logits_soft_cap=cap,
+                                  use_sinks=True)
+        out = run_backend(case, spec, 4, sinks)
+        ref = reference(case, requests, 8, 0.25, window, soft_cap=cap, sinks=sinks)
+        atol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+def test_chunked_attention_with_sinks_and_long_decodes():
+    """Both at once on long contexts (the C kernel splits their keys: the sink is added
+    once, at the merge)."""
+    requests = [(1, 2000), (1, 1500), (1, 3)]
+    case = make_case(requests, 4, 1, 16, 16, torch.float32, seed=12)
+    poison_before(case, requests, 16, lambda q, s: (s - 1) // 700 * 700)
+    sinks = sink_logits(4)
+    spec = AttentionLayerSpec(4, 16, 1, 0.25, attention_chunk_size=700, use_sinks=True)
+    out = run_backend(case, spec, 16, sinks)
+    ref = reference(case, requests, 4, 0.25, None, chunk=700, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_long_prefills_with_sinks_go_a_block_of_rows_at_a_time(monkeypatch):
+    """The torch-op path materializes capped / sink scores for at most a budget of
+    elements: a long chunk is cut into row blocks, with the same result."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", 20)
+    monkeypatch.setattr(cpu_attention, "EXPLICIT_SCORES_BUDGET", 8 * 60 * 4)  # 16 rows
+    requests = [(50, 60), (1, 30), (40, 40)]
+    case = make_case(requests, 4, 2, 16, 8, torch.float32, seed=13)
+    sinks = sink_logits(4)
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, attention_chunk_size=24, logits_soft_cap=4.0,
+                              use_sinks=True)
+    out = run_backend(case, spec, 8, sinks)
+    ref = reference(case, requests, 4, 0.25, None, soft_cap=4.0, chunk=24, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_sinks_must_be_set_and_encoders_refuse_them():
+    case = make_case([(1, 5)], 2, 1, 16, 4, torch.float32)
+    spec = AttentionLayerSpec(2, 16, 1, 0.25, use_sinks=True)
+    with pytest.raises(ValueError, match="sinks"):
+        run_backend(case, spec, 4)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        run_backend(case, spec, 4, torch.zeros(3))
+    for bad in (AttentionLayerSpec(2, 16, 1, 0.25, causal=False, use_sinks=True),
+                AttentionLayerSpec(2, 16, 1, 0.25, causal=False, attention_chunk_size=4)):
+        assert "encoder" in CPUAttentionBackend.validate(bad, 4)
+    assert CPUAttentionBackend.supports_attention_sinks()
+    assert CPUAttentionBackend.supports_chunked_local_attention()

@@ -176,20 +176,23 @@ def make_fp8_case(requests, num_heads, num_kv_heads, head_size, block_size, dtyp
 
 
 def run_fp8(case: Case, spec: AttentionLayerSpec, block_size: int, k_scale: float,
-            v_scale: float) -> torch.Tensor:
+            v_scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     backend = CPUAttentionBackend(block_size=block_size, device=CPU)
     backend.set_kv_cache_dtype(NAMES[case.kv_cache.dtype])
     assert backend.validate(spec, block_size) is None
     impl = backend.make_impl(spec)
     impl.k_scale, impl.v_scale = k_scale, v_scale  # what the attention layer hands over
+    impl.sinks = sinks
     uses_c = cpu_attention.load_kernels() is not None and CPUKernels.supports_attention(spec)
     assert (impl.kernels is not None) == uses_c
     return impl.forward(case.query, case.key, case.value, case.kv_cache,
                         backend.build_metadata(case.batch))
 
 
-def check(out, case, requests, num_heads, scale, window=None, soft_cap=None):
-    ref = reference(case, requests, num_heads, scale, window, soft_cap)
+def check(out, case, requests, num_heads, scale, window=None, soft_cap=None, chunk=None,
+          sinks=None):
+    ref = reference(case, requests, num_heads, scale, window, soft_cap, chunk=chunk,
+                    sinks=sinks)
     magnitude = max(float(v.abs().max()) for v in case.hist_v)
     tol = 2e-6 if out.dtype == torch.float32 else 2e-2  # float32 sums; bf16 rounding
     torch.testing.assert_close(out.double(), ref, atol=tol * magnitude, rtol=0)
@@ -252,6 +255,29 @@ def test_windows_soft_caps_and_long_chunks_over_an_fp8_cache(path, cache_dtype,
                               kv_cache_dtype=NAMES[cache_dtype])
     out = run_fp8(case, spec, 4, k_scale, v_scale)
     check(out, case, requests, 4, 0.25, window=13, soft_cap=3.0)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_sinks_windows_and_chunks_over_an_fp8_cache(path, cache_dtype, kernel_max_context,
+                                                    monkeypatch):
+    """GPT-OSS (window + sinks) and Llama 4 (chunks of 6 over blocks of 4) layers: the
+    sink is a logit, compared with scores of dequantized keys (k_scale folded in)."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    k_scale, v_scale = SCALES[cache_dtype]
+    requests = MIXED + [(12, 58)]
+    case = make_fp8_case(requests, 4, 2, 16, 4, torch.float32, cache_dtype, k_scale,
+                         v_scale, seed=19)
+    sinks = torch.tensor([2.5, -1.0, 0.3, 1.2])
+    name = NAMES[cache_dtype]
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, sliding_window=13, use_sinks=True,
+                              kv_cache_dtype=name)
+    check(run_fp8(case, spec, 4, k_scale, v_scale, sinks), case, requests, 4, 0.25,
+          window=13, sinks=sinks)
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, attention_chunk_size=6, use_sinks=True,
+                              kv_cache_dtype=name)
+    check(run_fp8(case, spec, 4, k_scale, v_scale, sinks), case, requests, 4, 0.25,
+          chunk=6, sinks=sinks)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)

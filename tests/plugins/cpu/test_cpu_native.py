@@ -202,6 +202,79 @@ def test_key_splits_merge_to_the_same_softmax(kernels, num_splits, window, q_dty
         torch.testing.assert_close(got[r].double(), probs @ vals, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 7])
+@pytest.mark.parametrize(("window", "chunk"), [(None, 20), (None, 7), (37, None), (13, 20)])
+@pytest.mark.parametrize(("q_dtype", "dtype"), [(F32, F32), (BF16, BF16), (F32, BF16)],
+                         ids=["f32", "bf16", "f32-q-bf16-cache"])
+def test_chunks_and_sinks_merge_to_the_same_softmax(kernels, num_splits, window, chunk,
+                                                    q_dtype, dtype):
+    """Chunked local attention (chunks of 20 and 7 keys over blocks of 8) and sinks (added
+    once, at the merge, whatever the split count). The table entries before a request's
+    first needed block name a block of NaN: reading one would poison the output."""
+    gen = torch.Generator().manual_seed(17)
+    k_cache, v_cache = (_cache(21, 2, 8, 16, dtype, gen) for _ in range(2))
+    k_cache[20], v_cache[20] = float("nan"), float("nan")
+    query = torch.randn(4, 8, 16, generator=gen).to(q_dtype)  # GQA: 8 heads over 2 KV heads
+    tables = torch.randperm(20, generator=gen)[:20].view(4, 5)
+    seq_lens = torch.tensor([40, 3, 21, 33])
+    sinks = torch.tensor([4.0, -1.0, 0.5, float("-inf"), 2.0, -3.0, 1.0, 0.0])
+    firsts = []
+    for r in range(4):
+        n = int(seq_lens[r])
+        first = max(0, n - window) if window else 0
+        first = max(first, (n - 1) // chunk * chunk) if chunk else first
+        tables[r, : first // 8] = 20
+        firsts.append(first)
+    got = kernels.paged_decode_attention(query, _keys(k_cache, kernels), v_cache, tables,
+                                         seq_lens, 0.25, window=window, num_splits=num_splits,
+                                         chunk=chunk, sinks=sinks)
+    for r in range(4):
+        n, first = int(seq_lens[r]), firsts[r]
+        keys = k_cache[tables[r]].transpose(0, 1).reshape(2, -1, 16)[:, first:n].double()
+        vals = v_cache[tables[r]].transpose(0, 1).reshape(2, -1, 16)[:, first:n].double()
+        q = query[r].double().view(2, 4, 16)
+        scores = q @ keys.transpose(1, 2) * 0.25  # [kv_head, group, keys]
+        sink_col = sinks.double().view(2, 4, 1)
+        probs = torch.cat((scores, sink_col), -1).softmax(-1)[..., :-1]
+        ref = (probs @ vals).reshape(8, 16)
+        atol = {F32: 1e-5, BF16: 2e-2}[q_dtype]
+        if q_dtype != dtype and kernels.key_layout(dtype).pack == 2:
+            atol = 3e-2
+        torch.testing.assert_close(got[r].double(), ref, atol=atol, rtol=0)
+
+
+def test_chunk_and_sink_arguments_are_checked(kernels):
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache(2, 1, 8, 16, F32, gen)
+    query, tables, lens = torch.randn(1, 2, 16), torch.tensor([[0, 1]]), torch.tensor([9])
+    with pytest.raises(ValueError, match="chunk"):
+        kernels.paged_decode_attention(query, _keys(cache, kernels), cache, tables, lens, 1.0,
+                                       chunk=0)
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.paged_decode_attention(query, _keys(cache, kernels), cache, tables, lens, 1.0,
+                                       sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="sinks"):
+        kernels.paged_decode_attention(query, _keys(cache, kernels), cache, tables, lens, 1.0,
+                                       sinks=torch.zeros(2, dtype=torch.float64))
+
+
+def test_chunks_and_sinks_run_eagerly_not_in_a_forward_graph(kernels):
+    """The entry point with chunks / sinks is not in forward_graph.c's replay table: a
+    capture that meets it fails cleanly (the runner then runs that batch size eagerly),
+    while the plain call is recorded as before."""
+    from engine.core.interfaces import GraphCaptureError
+
+    gen = torch.Generator().manual_seed(2)
+    cache = _cache(2, 1, 8, 16, F32, gen)
+    query, tables, lens = torch.randn(1, 2, 16), torch.tensor([[0, 1]]), torch.tensor([9])
+    with native.recording_calls() as calls:
+        kernels.paged_decode_attention(query, _keys(cache, kernels), cache, tables, lens, 1.0)
+        assert len(calls) == 1
+        with pytest.raises(GraphCaptureError, match="paged_decode_attention_ext"):
+            kernels.paged_decode_attention(query, _keys(cache, kernels), cache, tables, lens,
+                                           1.0, sinks=torch.zeros(2))
+
+
 def test_splits_are_chosen_only_when_tasks_do_not_fill_the_threads(kernels):
     """The kernel picks its key splits per call (num_splits=None), so a replayed graph
     re-picks them as contexts grow (planned for the pool's count here: a worker fixes the

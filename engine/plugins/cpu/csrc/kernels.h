@@ -18,6 +18,15 @@ int paged_decode_attention(
     void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
     int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
     int q_dtype, float k_scale, float v_scale);
+/* The same with chunked local attention (chunk > 0: keys from chunk * ((seq_len - 1) /
+ * chunk)) and per-head sink logits (sinks: float32 [num_heads], NULL: none). */
+int paged_decode_attention_ext(
+    const void *q, int64_t q_req_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+    void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
+    int q_dtype, float k_scale, float v_scale, int chunk, const float *sinks);
 /* The key ranges per (request, KV head) task paged_decode_attention picks for num_splits 0. */
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window);
 /* Fix the thread count decode_key_splits plans for (n <= 0: the pool's current count). */

@@ -25,6 +25,11 @@
  * vf_load_fp8); k_scale multiplies the query's scale and v_scale the normalized output,
  * so the result is attention over the dequantized values at no cost per key.
  *
+ * Chunked local attention and sinks (paged_decode_attention_ext): a request's keys start
+ * at the later of its window's and its chunk's start (the blocks before are never read,
+ * nor their block-table entries); a head's sink logit joins the denominator once, when a
+ * row is normalized (merge_and_store, after the key splits are merged).
+ *
  * Built by engine/plugins/cpu/native.py with -O3 -march=native -fopenmp; torch's own
  * libgomp (same soname, already loaded) runs the parallel loop.
  */
@@ -488,10 +493,12 @@ static inline __attribute__((always_inline)) void attend_task(
 
 /* out[g] = (sum_s acc_s[g] e^(max_s[g] - M)) / (sum_s sum_s[g] e^(max_s[g] - M)), M the
  * largest max_s[g]: the softmax over the union of the splits' key ranges; times
- * out_scale (an fp8 cache's v_scale, else 1). */
+ * out_scale (an fp8 cache's v_scale, else 1). sinks (NULL: none): the group's learned
+ * sink logits, one more term e^(sinks[g] - M) of the denominator with no value (M then
+ * also covers the sink), added here once whatever the number of splits. */
 static inline __attribute__((always_inline)) void merge_and_store(
     const float *parts, int num_parts, int64_t part_stride, int group, int head_size,
-    void *out, int64_t out_index, const int dtype, float out_scale)
+    void *out, int64_t out_index, const int dtype, float out_scale, const float *sinks)
 {
     for (int g = 0; g < group; g++) {
         float top = -INFINITY;
@@ -500,6 +507,11 @@ static inline __attribute__((always_inline)) void merge_and_store(
             top = m > top ? m : top;
         }
         float total = 0.0f, weights[MAX_SPLITS];
+        if (sinks != NULL) { /* the sink's logit: in the denominator only, once per row */
+            const float sink = sinks[g];
+            if (sink > top) top = sink;
+            if (sink > -INFINITY) total = exp_nonpositive(sink - top);
+        }
         for (int p = 0; p < num_parts; p++) {
             const float *part = parts + p * part_stride;
             weights[p] = part[group + g] > 0.0f ? exp_nonpositive(part[g] - top) : 0.0f;
@@ -528,7 +540,7 @@ static inline __attribute__((always_inline)) void merge_and_store(
                     int64_t bt_stride, const int64_t *seq_lens, void *out, int num_reqs,    \
                     int num_heads, int num_kv_heads, int head_size, int block_size,         \
                     float scale, int window, float soft_cap, int num_splits, int q_dtype,   \
-                    float k_scale, float v_scale) {                                          \
+                    float k_scale, float v_scale, int chunk, const float *sinks) {           \
         const int group = num_heads / num_kv_heads;                                          \
         /* fp8: scores of codes times k_scale, outputs times v_scale */                     \
         const float qk_scale = is_fp8(DTYPE) ? scale * k_scale : scale;                      \
@@ -546,7 +558,9 @@ static inline __attribute__((always_inline)) void merge_and_store(
             const int task = item / num_splits, split = item % num_splits;                   \
             const int r = task / num_kv_heads, kvh = task % num_kv_heads;                    \
             const int64_t seq_len = seq_lens[r];                                             \
-            const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;  \
+            int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;        \
+            if (chunk > 0 && (seq_len - 1) / chunk * chunk > first) /* the query's chunk */ \
+                first = (seq_len - 1) / chunk * chunk;                                       \
             const int64_t span = (seq_len - first + num_splits - 1) / num_splits;            \
             const int64_t lo = first + split * span;                                         \
             const int64_t hi = lo + span < seq_len ? lo + span : seq_len;                    \
@@ -564,7 +578,8 @@ static inline __attribute__((always_inline)) void merge_and_store(
             if (num_splits == 1) /* the whole task: normalize now, no second pass */        \
                 merge_and_store(part, 1, part_stride, group, head_size, out,                 \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                q_dtype, out_scale);                                         \
+                                q_dtype, out_scale,                                          \
+                                sinks != NULL ? sinks + (int64_t)kvh * group : NULL);        \
         }                                                                                    \
         if (num_splits > 1) { /* merge each task's partial softmaxes */                     \
             _Pragma("omp parallel for schedule(static) if (num_tasks > 1)")                  \
@@ -573,7 +588,8 @@ static inline __attribute__((always_inline)) void merge_and_store(
                 merge_and_store(parts + (int64_t)task * num_splits * part_stride,            \
                                 num_splits, part_stride, group, head_size, out,              \
                                 ((int64_t)r * num_heads + (int64_t)kvh * group) * head_size, \
-                                q_dtype, out_scale);                                         \
+                                q_dtype, out_scale,                                          \
+                                sinks != NULL ? sinks + (int64_t)kvh * group : NULL);        \
             }                                                                                \
         }                                                                                    \
         free(parts);                                                                         \
@@ -635,6 +651,30 @@ int paged_decode_attention(
     int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
     int q_dtype, float k_scale, float v_scale)
 {
+    return paged_decode_attention_ext(q, q_req_stride, q_head_stride, k_cache, v_cache,
+                                      block_tables, bt_stride, seq_lens, out, num_reqs,
+                                      num_heads, num_kv_heads, head_size, block_size, dtype,
+                                      scale, window, soft_cap, num_splits, q_dtype, k_scale,
+                                      v_scale, 0, NULL);
+}
+
+/*
+ * paged_decode_attention with Llama 4's chunked local attention and GPT-OSS's sinks:
+ * chunk > 0 starts request r's keys at chunk * ((seq_lens[r] - 1) / chunk) (the query,
+ * at position seq_lens[r] - 1, sees only its own chunk; with a window too, the later of
+ * the two starts); sinks (NULL: none) holds num_heads float32 logits, one per query
+ * head, each joining its head's softmax denominator (not soft-capped, no value). Blocks
+ * before a request's first key are never read, not even their block-table entries.
+ */
+int paged_decode_attention_ext(
+    const void *q, int64_t q_req_stride, int64_t q_head_stride,
+    const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+    void *out, int num_reqs, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int dtype, float scale, int window, float soft_cap, int num_splits,
+    int q_dtype, float k_scale, float v_scale, int chunk, const float *sinks)
+{
+    if (chunk < 0) return -1;
     if (head_size <= 0 || head_size > MAX_HEAD_SIZE || head_size % 16 != 0 || /* every level */
         num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
         num_heads / num_kv_heads > MAX_GROUP || block_size <= 0)
@@ -642,14 +682,16 @@ int paged_decode_attention(
     const int group = num_heads / num_kv_heads;
     if ((group + HEADS - 1) / HEADS * HEADS * head_size > MAX_GROUP_ELEMS) return -1;
     if (num_splits == 0)
-        num_splits = decode_key_splits(num_reqs * num_kv_heads, seq_lens, num_reqs, window);
+        num_splits = decode_key_splits(num_reqs * num_kv_heads, seq_lens, num_reqs,
+                                       window > 0 && (chunk <= 0 || window < chunk) ? window
+                                                                                   : chunk);
     if (num_splits < 1 || num_splits > MAX_SPLITS) return -1;
     if (q_dtype < DTYPE_F32 || q_dtype > DTYPE_F16) return -1;
     if (is_fp8(dtype) && !(k_scale > 0.0f && v_scale > 0.0f)) return -1;
 #define DECODE_ARGS                                                                          \
     q, q_req_stride, q_head_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, \
         num_reqs, num_heads, num_kv_heads, head_size, block_size, scale, window, soft_cap,   \
-        num_splits, q_dtype, k_scale, v_scale
+        num_splits, q_dtype, k_scale, v_scale, chunk, sinks
     switch (dtype) {
     case DTYPE_F32: return decode_f32(DECODE_ARGS);
     case DTYPE_BF16: return decode_bf16(DECODE_ARGS);
