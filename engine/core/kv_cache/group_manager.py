@@ -30,6 +30,9 @@ class GroupKVManager:
         # replaced by the null block (windowed groups).
         self.num_cached_blocks: dict[str, int] = {}
         self._num_skipped: dict[str, int] = {}
+        # Block references the requests hold in this group now / at most (reports).
+        self.num_held_refs = 0
+        self.peak_held_refs = 0
         # Group 0 keys its blocks by the hash itself; the others by the hash and their id,
         # so the same tokens' blocks of different groups are different cache entries.
         self._key_suffix = b"" if group_id == 0 else group_id.to_bytes(2, "little")
@@ -87,6 +90,7 @@ class GroupKVManager:
         dropped = [b for b in blocks[start:first] if not b.is_null]
         blocks[start:first] = [null] * (first - start)
         self._num_skipped[request_id] = first
+        self.num_held_refs -= len(dropped)
         # Latest first: the oldest tokens' blocks end up evicted first.
         self.pool.free_blocks(reversed(dropped))
 
@@ -101,6 +105,8 @@ class GroupKVManager:
         blocks.extend(hits)
         if num_new:
             blocks.extend(self.pool.get_new_blocks(num_new))
+        self.num_held_refs += num_new + sum(1 for b in hits if not b.is_null)
+        self.peak_held_refs = max(self.peak_held_refs, self.num_held_refs)
         return [block.block_id for block in blocks[start:]]
 
     def cache_full_blocks(self, request_id: str, hashes: Sequence[BlockHash],
@@ -120,4 +126,6 @@ class GroupKVManager:
         self.num_cached_blocks.pop(request_id, None)
         self._num_skipped.pop(request_id, None)
         if blocks:
-            self.pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+            held = [b for b in reversed(blocks) if not b.is_null]
+            self.num_held_refs -= len(held)
+            self.pool.free_blocks(held)

@@ -238,6 +238,11 @@ class KVCacheManager:
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]
                      for m in self.group_managers)
 
+    def group_usage(self) -> list[dict[str, int | str]]:
+        """Per group: its kind, the block references requests hold now and at most."""
+        return [{"kind": m.spec.kind, "held": m.num_held_refs, "peak": m.peak_held_refs}
+                for m in self.group_managers]
+
     def num_blocks_held(self, request_id: str) -> list[int]:
         """Real (non-null) blocks the request holds, per group."""
         return [sum(1 for b in m.req_to_blocks.get(request_id, ()) if not b.is_null)
