@@ -103,7 +103,7 @@ def _emit(mode: str, llm_info: dict[str, Any], settings: dict[str, Any],
 
     env = environment() if env is None else env
     speculative = ("speculative decoding", speculative_text(llm_info.get("speculative_config")))
-    rows = rows + _runtime_row(llm_info) + [
+    rows = rows + _runtime_row(llm_info) + _kv_cache_row(llm_info) + [
         speculative,
         ("threads / load avg", f"{env['torch_threads']} / {env['load_avg_1m']}"),
         ("memory read", f"{env['memory_read_gb_s']} GB/s"),
@@ -126,7 +126,26 @@ def _llm_info(llm, load_s: float) -> dict[str, Any]:
     if core is not None:
         info["runtime"] = core.executor.runtime_info()
         info["activation_dtype"] = info["runtime"]["activation_dtype"]
+        kv = core.scheduler.kv_cache_manager
+        info["kv_cache"] = {"num_blocks": kv.num_blocks, "groups": kv.group_usage(),
+                            **{k: v for k, v in info["runtime"].get("kv_cache", {}).items()
+                               if k != "groups"}}
     return info
+
+
+def _kv_cache_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:
+    """The KV cache groups, the most blocks each held during the run, and what a block
+    costs against one group for every layer (the memory the hybrid manager saves)."""
+    kv = llm_info.get("kv_cache")
+    if not kv:
+        return []
+    groups = ", ".join(f"{g['kind']} peak {g['peak']}" for g in kv["groups"])
+    text = f"{kv['num_blocks']} blocks; {groups} blocks held"
+    if kv.get("one_group_block_bytes") and kv["block_bytes"] != kv["one_group_block_bytes"]:
+        text += (f"; a block stores {kv['layers_per_block']} of {kv['num_layers']} layers "
+                 f"({kv['block_bytes']} of {kv['one_group_block_bytes']} bytes: "
+                 f"{1 - kv['block_bytes'] / kv['one_group_block_bytes']:.0%} saved per block)")
+    return [("KV cache", text)]
 
 
 def _runtime_row(llm_info: dict[str, Any]) -> list[tuple[str, str]]:

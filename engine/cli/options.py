@@ -69,6 +69,9 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  show_default=True),
     click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True,
                  show_default=True),
+    click.option("--disable-hybrid-kv-cache-manager", is_flag=True, default=False,
+                 help="One KV cache group for every layer: sliding-window and chunked-local "
+                      "layers then keep every block instead of only their window."),
     click.option("--kv-cache-space", "cpu_kvcache_space_gib", type=float, default=None,
                  help="CPU KV cache size in GiB (env ENGINE_CPU_KVCACHE_SPACE; default 4)."),
     click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
@@ -152,6 +155,7 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
 ENGINE_OPTION_NAMES = (
     "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+    "disable_hybrid_kv_cache_manager",
     "cpu_kvcache_space_gib", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",

@@ -77,6 +77,9 @@ class CacheConfig(BaseModel):
     # and "fp8_e5m2" in one byte per value with per-layer scales (twice the blocks of a
     # 16-bit cache in the same memory; engine.core.interfaces.attention).
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # One KV cache group even when layers attend differently (engine.core.kv_cache.groups):
+    # sliding-window layers then keep every block (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def resolved_cpu_kvcache_gib(self) -> float:
         if self.cpu_kvcache_space_gib is not None:

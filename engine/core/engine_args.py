@@ -70,6 +70,8 @@ class EngineArgs:
     cpu_kvcache_space_gib: float | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's: one KV cache group even for hybrid (sliding-window / chunked) models.
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_dtype: str = "auto"  # vLLM's: auto (the model dtype), fp8, fp8_e4m3, fp8_e5m2
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: 8192, raised to max_model_len without chunking
@@ -199,6 +201,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

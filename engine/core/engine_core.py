@@ -58,6 +58,7 @@ class EngineCore:
             send_new_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_micro_batches=self.executor.max_concurrent_batches,
             kv_connector=self.kv_connector,
+            kv_cache_groups=self.executor.kv_cache_layout.groups,
         )
         # Pipeline parallelism: up to one step in flight per stage (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches

@@ -153,13 +153,14 @@ class SharedStorageConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: Any) -> SharedStorageMetadata:
         """This step's loads, and (producer) the prompt blocks it completes."""
+        # A connector runs with one KV cache group: group 0's table is the request's.
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._tracked:
-                self._tracked[new.req_id].block_ids = list(new.block_ids)
+                self._tracked[new.req_id].block_ids = list(new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
             if req_id in self._tracked:
-                self._tracked[req_id].block_ids.extend(new_blocks)
+                self._tracked[req_id].block_ids.extend(new_blocks[0])
         saves: list[BlockFile] = []
         if self.produces:
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():

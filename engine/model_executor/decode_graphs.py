@@ -48,9 +48,12 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         hidden_input: tuple[int, torch.dtype] | None = None,
+        layer_groups: list[int] | None = None,
     ) -> None:
         """``hidden_input`` (width, dtype): the model also takes a ``target_hidden``
-        ``[n, width]`` input per row (an EAGLE head), kept in a persistent buffer too."""
+        ``[n, width]`` input per row (an EAGLE head), kept in a persistent buffer too.
+        ``layer_groups``: a hybrid model's KV cache group per layer (each group gets its
+        own cache-slot and block-table buffers); None: one group."""
         self.capturer = capturer
         self.model = model
         self.attn_backend = attn_backend
@@ -64,6 +67,11 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, **i64)
         self.seq_lens = torch.ones(n, **i64)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i64)
+        self.layer_groups = layer_groups
+        num_extra = 0 if layer_groups is None else max(layer_groups)
+        self.group_slot_mappings = [torch.full((n,), -1, **i64) for _ in range(num_extra)]
+        self.group_block_tables = [torch.zeros(n, max_blocks_per_seq, **i64)
+                                   for _ in range(num_extra)]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.target_hidden = None
         if hidden_input is not None:
@@ -73,7 +81,8 @@ class DecodeGraphs:
         self._eager_sizes: set[int] = set()
         # On the host the buffers are filled through numpy views made once.
         self._buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                         self.block_tables)
+                         self.block_tables, *self.group_slot_mappings,
+                         *self.group_block_tables)
         self._host_views = tuple(b.numpy() for b in self._buffers) if self._host else None
 
     @property
@@ -111,7 +120,7 @@ class DecodeGraphs:
         n = len(step.input_ids)
         width = step.block_tables.shape[1]
         arrays = (step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                  step.block_tables)
+                  step.block_tables, *step.group_slot_mappings, *step.group_block_tables)
         if self._host_views is not None:
             for view, array in zip(self._host_views, arrays):
                 view[(slice(n), slice(width))[: view.ndim]] = array  # casts to int64 in place
@@ -120,23 +129,32 @@ class DecodeGraphs:
             target = buffer[(slice(n), slice(width))[: buffer.dim()]]
             target.copy_(torch.from_numpy(np.asarray(array, dtype=np.int64)), non_blocking=True)
 
-    def _capture(self, n: int, max_seq_len: int) -> ForwardGraph | None:
-        batch = AttentionBatch(
+    def _graph_metadata(self, n: int, max_seq_len: int, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor):
+        return self.attn_backend.build_graph_metadata(AttentionBatch(
             num_reqs=n,
             num_tokens=n,
             query_start_loc=self.query_start_loc[: n + 1],
             seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n],
-            slot_mapping=self.slot_mapping[:n],
+            block_tables=block_tables[:n],
+            slot_mapping=slot_mapping[:n],
             max_query_len=1,
             max_seq_len=max_seq_len,
-        )
-        metadata = self.attn_backend.build_graph_metadata(batch)
+        ))
+
+    def _capture(self, n: int, max_seq_len: int) -> ForwardGraph | None:
+        metadata = self._graph_metadata(n, max_seq_len, self.slot_mapping, self.block_tables)
         if metadata is None:
             self._run_eagerly(n, f"attention backend {self.attn_backend.name} has no graph mode")
             return None
+        layer_metadata = None
+        if self.layer_groups is not None:
+            groups = [metadata] + [
+                self._graph_metadata(n, max_seq_len, slots, tables)
+                for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)]
+            layer_metadata = [groups[g] for g in self.layer_groups]
         ids, positions = self.input_ids[:n], self.positions[:n]
-        context = ForwardContext(metadata, self.kv_caches)
+        context = ForwardContext(metadata, self.kv_caches, layer_attn_metadata=layer_metadata)
         model = self.model
         extra = {} if self.target_hidden is None else {"target_hidden": self.target_hidden[:n]}
 

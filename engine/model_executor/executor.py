@@ -23,6 +23,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.interfaces import Platform
+from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.model_executor.worker import Worker
 
@@ -50,6 +51,8 @@ class Executor(ABC):
     config: EngineConfig
     num_blocks: int
     vocab_size: int
+    # The model's KV cache groups (the scheduler keeps one block table per group).
+    kv_cache_layout: KVCacheLayout
     max_concurrent_batches: int = 1
 
     @abstractmethod
@@ -74,11 +77,24 @@ class WorkerFailedError(RuntimeError):
     """A rank died or stopped answering; the engine cannot continue."""
 
 
-def clamp_num_blocks(config: EngineConfig, capacity: int, block_bytes: int) -> int:
+def blocks_per_sequence(config: EngineConfig, layout: KVCacheLayout | None = None) -> int:
+    """Blocks one sequence of ``max_model_len`` tokens holds at most, over every KV cache
+    group (a windowed group holds only its window and one step's tokens)."""
+    cache, sched = config.cache, config.scheduler
+    full = -(-sched.max_model_len // cache.block_size)
+    if layout is None:
+        return full
+    step = sched.max_num_batched_tokens
+    return sum(full if not g.is_windowed else min(full, g.max_blocks_held(cache.block_size, step))
+               for g in layout.groups)
+
+
+def clamp_num_blocks(config: EngineConfig, capacity: int, block_bytes: int,
+                     layout: KVCacheLayout | None = None) -> int:
     """The engine's KV block count from the smallest rank capacity: never more than every
     seat at full length could use, and refused when one sequence would not fit."""
     cache, sched = config.cache, config.scheduler
-    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+    blocks_per_seq = blocks_per_sequence(config, layout)
     num_blocks = min(capacity, blocks_per_seq * sched.max_num_seqs + 1)
     if num_blocks < blocks_per_seq + 1:
         raise ValueError(
@@ -99,7 +115,9 @@ class UniProcExecutor(Executor):
         self.platform = platform
         self.worker = Worker(config, platform)
         capacity = self.worker.load()
-        self.num_blocks = clamp_num_blocks(config, capacity, self.worker.kv_block_bytes())
+        self.kv_cache_layout = self.worker.kv_cache_layout
+        self.num_blocks = clamp_num_blocks(config, capacity, self.worker.kv_block_bytes(),
+                                           self.kv_cache_layout)
         self.worker.initialize_cache(self.num_blocks)
         self.vocab_size = self.worker.model.vocab_size
 

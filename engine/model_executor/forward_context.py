@@ -24,6 +24,14 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one tensor per attention layer, by layer index
     # A KV connector whose per-layer hooks run around each attention (None: none).
     kv_connector: Any = None
+    # A hybrid model's metadata per layer (its KV cache group's block tables and cache
+    # slots), by layer index; None: every layer reads ``attn_metadata``.
+    layer_attn_metadata: list[Any] | None = None
+
+    def metadata_for(self, layer_index: int) -> Any:
+        """The attention metadata of the layer whose cache is ``kv_caches[layer_index]``."""
+        per_layer = self.layer_attn_metadata
+        return self.attn_metadata if per_layer is None else per_layer[layer_index]
 
 
 _current: ForwardContext | None = None

@@ -30,12 +30,18 @@ class StepIndices:
     logits_indices: np.ndarray  # int64 [S], flat token index whose hidden state samples
     max_query_len: int
     max_seq_len: int
+    # KV cache groups 1.. of a hybrid model (group 0's are the two fields above): each
+    # group's cache slots [T] and block tables [R, M]. Empty with one group.
+    group_slot_mappings: tuple[np.ndarray, ...] = ()
+    group_block_tables: tuple[np.ndarray, ...] = ()
 
 
 class InputBatch:
-    """Token ids, progress and block tables of up to ``max_num_reqs`` requests."""
+    """Token ids, progress and block tables (one per KV cache group) of up to
+    ``max_num_reqs`` requests."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -44,8 +50,10 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = np.zeros((num_kv_cache_groups, max_num_reqs, max_blocks),
+                                     dtype=np.int32)
+        self.block_table = self.block_tables[0]  # group 0 (the only one, mostly)
+        self.num_blocks = np.zeros((num_kv_cache_groups, max_num_reqs), dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self.row_to_req_id: list[str | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives row 0 first
@@ -56,7 +64,7 @@ class InputBatch:
         req_id: str,
         prompt_token_ids: list[int],
         output_token_ids: list[int],
-        block_ids: list[int],
+        block_ids: tuple[list[int], ...],
         num_computed_tokens: int,
     ) -> int:
         if req_id in self.req_id_to_row:
@@ -70,7 +78,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = n_prompt
         self.num_tokens[row] = n_prompt + n_out
         self.num_computed_tokens[row] = num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_blocks(row, block_ids)
         self.req_id_to_row[req_id] = row
         self.row_to_req_id[row] = req_id
@@ -83,12 +91,16 @@ class InputBatch:
             self._free_rows.append(row)
         return row
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        start = int(self.num_blocks[row])
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Append each KV cache group's new block ids to the row's table of that group."""
+        if len(block_ids) != len(self.block_tables):
+            raise ValueError(f"block ids for {len(block_ids)} KV cache groups, the batch "
+                             f"has {len(self.block_tables)}")
+        for group, ids in enumerate(block_ids):
+            if ids:
+                start = int(self.num_blocks[group, row])
+                self.block_tables[group, row, start : start + len(ids)] = ids
+                self.num_blocks[group, row] = start + len(ids)
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Record one sampled token per row (bulk)."""
@@ -174,6 +186,7 @@ class InputBatch:
         token_row = np.repeat(step.rows, step.num_scheduled)
         n = len(token_row)
         seq_lens = (step.positions + 1).astype(np.int32)
+        width = step.block_tables.shape[1]
         return StepIndices(
             rows=token_row,
             num_scheduled=np.ones(n, dtype=np.int32),
@@ -182,11 +195,14 @@ class InputBatch:
             input_ids=step.input_ids,
             slot_mapping=step.slot_mapping,
             seq_lens=seq_lens,
-            block_tables=self.block_table[token_row, : step.block_tables.shape[1]],
+            block_tables=self.block_table[token_row, :width],
             sample_batch_idx=step.sample_batch_idx,
             logits_indices=step.logits_indices,
             max_query_len=1,
             max_seq_len=step.max_seq_len,
+            group_slot_mappings=step.group_slot_mappings,
+            group_block_tables=tuple(table[token_row, :width]
+                                     for table in self.block_tables[1:]),
         )
 
     def _decode_step(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepIndices:
@@ -213,21 +229,26 @@ class InputBatch:
     ) -> StepIndices:
         """The gathers both layouts share: token ids, cache slots, block tables."""
         bs = self.block_size
-        blocks = self.block_table[token_row, positions // bs].astype(np.int64)
+        block_index, offset = positions // bs, positions % bs
         max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // bs)
+        slots = [table[token_row, block_index].astype(np.int64) * bs + offset
+                 for table in self.block_tables]
         return StepIndices(
             rows=rows,
             num_scheduled=num_scheduled,
             query_start_loc=query_start_loc,
             positions=positions,
             input_ids=self.token_ids[token_row, positions],
-            slot_mapping=blocks * bs + positions % bs,
+            slot_mapping=slots[0],
             seq_lens=seq_lens,
-            block_tables=self.block_table[rows, : -(-max_seq_len // bs)],
+            block_tables=self.block_table[rows, :width],
             sample_batch_idx=sample_batch_idx,
             logits_indices=logits_indices.astype(np.int64, copy=False),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
+            group_slot_mappings=tuple(slots[1:]),
+            group_block_tables=tuple(table[rows, :width] for table in self.block_tables[1:]),
         )
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.core.interfaces import AttentionBatch, Platform
+from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
@@ -109,6 +110,21 @@ def build_attention_metadata(
     return attn_backend.build_metadata(batch)
 
 
+def build_layer_metadata(
+    attn_backend, step: StepIndices, group0_metadata: Any, layer_groups: list[int],
+    upload: Callable[[np.ndarray], torch.Tensor],
+) -> list[Any] | None:
+    """Each layer's metadata for a hybrid model (one per KV cache group, built from the
+    group's block tables and cache slots); None with one group."""
+    if not step.group_slot_mappings:
+        return None
+    metadata = [group0_metadata]
+    for slots, tables in zip(step.group_slot_mappings, step.group_block_tables):
+        metadata.append(build_attention_metadata(
+            attn_backend, replace(step, slot_mapping=slots, block_tables=tables), upload))
+    return [metadata[group] for group in layer_groups]
+
+
 class ModelRunner:
     """Runs one model on one device for the engine core."""
 
@@ -126,8 +142,15 @@ class ModelRunner:
         proposer: Proposer | None = None,
         parallel: Any = None,
         kv_connector: Any = None,
+        kv_cache_layout: KVCacheLayout | None = None,
     ) -> None:
+        """``kv_cache_layout``: the model's KV cache groups (None: one group)."""
         self.model = model
+        self.kv_cache_layout = kv_cache_layout
+        num_groups = 1 if kv_cache_layout is None else kv_cache_layout.num_groups
+        # The KV cache group of each layer (None: all in one group).
+        self._layer_groups = None if num_groups == 1 else [
+            group for group, _ in kv_cache_layout.layer_slots()]
         # The KV connector's worker side (disaggregated prefill/decode, external caches).
         self.kv_connector = kv_connector
         if kv_connector is not None and kv_connector.uses_layer_hooks:
@@ -142,7 +165,7 @@ class ModelRunner:
         self._device_is_host = self.device.type == "cpu"
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size, num_groups)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, self.device)
         self.sampler = Sampler(platform.fused_ops())
         self.kv_caches: list[torch.Tensor] = []
@@ -171,6 +194,11 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
         shape = spec.cache_shape(self.attn_backend, num_blocks, self.block_size)
         self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
+        if self._layer_groups is not None:
+            # Hybrid: spec.num_layers is the group size; layer j of every group shares
+            # cache tensor j (the groups hold disjoint block ids).
+            tensors = self.kv_caches
+            self.kv_caches = [tensors[j] for _, j in self.kv_cache_layout.layer_slots()]
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches,
                                                  self._kv_layout(spec, num_blocks))
@@ -183,6 +211,7 @@ class ModelRunner:
                 max_batch_size=self.input_batch.max_num_reqs * self._max_verify_len,
                 max_blocks_per_seq=self.input_batch.block_table.shape[1],
                 device=self.device,
+                layer_groups=self._layer_groups,
             )
 
     def _kv_layout(self, spec: KVCacheSpec, num_blocks: int) -> Any:
@@ -375,8 +404,10 @@ class ModelRunner:
                 return hidden
         metadata, input_ids, positions = self._eager_inputs(step)
         if self.pp is None:
+            layer_metadata = None if self._layer_groups is None else build_layer_metadata(
+                self.attn_backend, step, metadata, self._layer_groups, self._upload)
             with set_forward_context(ForwardContext(metadata, self.kv_caches,
-                                                    self._layer_hooks)):
+                                                    self._layer_hooks, layer_metadata)):
                 return self.model(input_ids, positions)
         return self._forward_stage(metadata, input_ids, positions)
 
@@ -546,7 +577,8 @@ class ModelRunner:
         room = np.minimum(self.input_batch.max_model_len - 1 - newest,
                           proposer.num_speculative_tokens)
         if proposer.writes_kv_ahead:  # its KV writes stay inside the allocated blocks
-            room = np.minimum(room, batch.num_blocks[rows] * self.block_size - newest)
+            # (group 0's: a draft's cache shares the full-attention group's block ids)
+            room = np.minimum(room, batch.num_blocks[0, rows] * self.block_size - newest)
         max_drafts = np.where(sampled, np.maximum(room, 0), 0)
         proposal = proposer.propose(
             ProposalBatch(

@@ -17,6 +17,7 @@ import torch
 from engine.core.config import EngineConfig
 from engine.core.interfaces import Platform
 from engine.core.interfaces.attention import kv_cache_torch_dtype
+from engine.core.kv_cache.groups import KVCacheLayout, build_kv_cache_layout
 from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from engine.model_executor import kernel_report
 from engine.model_executor.model_loader import load_model
@@ -107,8 +108,6 @@ class Worker:
         # --kv-cache-dtype fp8 / fp8_e5m2, one byte per value (a draft model's cache
         # stays in the model dtype).
         kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
-        self.kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size,
-                                   kv_dtype, mla=spec.mla)
         from engine.spec_decode.factory import build_proposer
 
         self.proposer = build_proposer(
@@ -116,11 +115,49 @@ class Worker:
         )
         # A draft's KV cache shares the block ids: every block costs both.
         self.draft_kv_spec = None if self.proposer is None else self.proposer.kv_cache_spec()
+        self.kv_cache_layout = self._kv_cache_layout(spec)
+        # One cache tensor per layer of a group: with several groups a block id costs the
+        # layers of one group, not of the whole model.
+        self.kv_spec = KVCacheSpec(self.kv_cache_layout.group_size, spec.num_kv_heads,
+                                   spec.head_size, kv_dtype, mla=spec.mla)
+        self.full_kv_spec = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_size,
+                                        kv_dtype, mla=spec.mla)
         draft_model = getattr(self.proposer, "model", None)
         if draft_model is not None:  # each tensor once: an EAGLE head shares the target's
             self.weights_bytes = kernel_report.weight_bytes(
                 torch.nn.ModuleList([self.model, draft_model]))
         return self.kv_block_capacity()
+
+    def _kv_cache_layout(self, spec: Any) -> KVCacheLayout:
+        """The model's KV cache groups (engine.core.kv_cache.groups): by attention kind,
+        unless the hybrid manager is off or cannot run here (KV connectors and pipeline
+        stages move or split one table per request; a draft model's cache needs group 0
+        to be full attention); windows at least ``max_model_len`` long count as full."""
+        config = self.config
+        n = spec.num_layers
+        max_len = config.scheduler.max_model_len
+        windows = tuple(spec.sliding_windows) if len(spec.sliding_windows) == n else (None,) * n
+        windows = tuple(None if w is not None and w >= max_len else w for w in windows)
+        chunks = tuple(spec.attention_chunk_sizes) or (None,) * n
+        chunks = tuple(None if c is not None and c >= max_len else c for c in chunks)
+        why_not = None
+        if config.cache.disable_hybrid_kv_cache_manager:
+            why_not = "--disable-hybrid-kv-cache-manager"
+        elif config.kv_transfer is not None:
+            why_not = "a KV connector moves one block table per request"
+        elif self.layout is not None and self.layout.pipeline_parallel_size > 1:
+            why_not = "pipeline stages hold different layers"
+        elif spec.mla:
+            why_not = "MLA layers"
+        layout = build_kv_cache_layout(windows, chunks, hybrid=why_not is None)
+        if (layout.is_hybrid and self.draft_kv_spec is not None
+                and layout.groups[0].is_windowed):
+            why_not = "the draft model's cache needs a full-attention group"
+            layout = build_kv_cache_layout(windows, chunks, hybrid=False)
+        if why_not is not None and any(w is not None for w in windows + chunks):
+            logger.info("one KV cache group (%s): sliding-window / chunked-local layers keep "
+                        "every block", why_not)
+        return layout
 
     def kv_block_bytes(self) -> int:
         block_size = self.config.cache.block_size
@@ -171,6 +208,7 @@ class Worker:
             proposer=self.proposer,
             parallel=self.parallel,
             kv_connector=self.kv_connector,
+            kv_cache_layout=self.kv_cache_layout,
         )
         self.runner.allocate_kv_cache(self.kv_spec, num_blocks)
         self.num_blocks = num_blocks
@@ -183,6 +221,25 @@ class Worker:
             self.weights_bytes / 2**20,
             num_blocks, config.cache.block_size,
         )
+        if self.kv_cache_layout.num_groups > 1 or self.kv_cache_layout.is_hybrid:
+            info = self.kv_cache_info()
+            logger.info("%s; a block id costs %d of %d layers (%.0f%% of the memory of one "
+                        "group for all layers)", self.kv_cache_layout.describe(),
+                        info["layers_per_block"], info["num_layers"],
+                        100 * info["block_bytes"] / max(1, info["one_group_block_bytes"]))
+
+    def kv_cache_info(self) -> dict[str, Any]:
+        """The KV cache groups, what a block costs and what one group would have cost
+        (benchmark reports and the startup log)."""
+        layout, block_size = self.kv_cache_layout, self.config.cache.block_size
+        return {
+            "groups": [{"kind": g.kind, "num_layers": len(g.layer_indices)}
+                       for g in layout.groups],
+            "num_layers": layout.num_layers,
+            "layers_per_block": layout.group_size,
+            "block_bytes": self.kv_spec.block_bytes(block_size),
+            "one_group_block_bytes": self.full_kv_spec.block_bytes(block_size),
+        }
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None
@@ -210,6 +267,7 @@ class Worker:
             "weights_mib": layers["weights_mib"],
             "activation_dtype": model.activation_dtype or model.dtype,
             "kv_cache_dtype": str(self.kv_spec.dtype).removeprefix("torch."),
+            "kv_cache": self.kv_cache_info(),
             "gemm_kernels": layers["gemm_kernels"],
             "layer_kernels": layers["layer_kernels"],
             "forward_graphs": self.runner.decode_graphs is not None,

@@ -162,7 +162,10 @@ class WorkerGroupExecutor(Executor):
         self._beats_checked = True
         capacity = min(info.kv_block_capacity for info in ready.values())
         block_bytes = max(info.kv_block_bytes for info in ready.values())
-        self.num_blocks = clamp_num_blocks(self.config, capacity, block_bytes)
+        # Every rank holds the same layers' groups (pipeline stages run one group).
+        self.kv_cache_layout = ready[0].kv_cache_layout
+        self.num_blocks = clamp_num_blocks(self.config, capacity, block_bytes,
+                                           self.kv_cache_layout)
         self.vocab_size = ready[0].vocab_size
         self.rank_weights_bytes = [ready[r].weights_bytes for r in range(self.world_size)]
         self.worker_pids = [ready[r].pid for r in range(self.world_size)]

@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from engine.core.kv_cache.groups import KVCacheLayout
+
 EXECUTE, CALL, QUIT = b"E", b"C", b"Q"
 READY, OUTPUT, RESULT, FAILED, HEARTBEAT = b"R", b"O", b"T", b"F", b"H"
 HEARTBEAT_INTERVAL_S = 0.5
@@ -64,6 +66,7 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     kv_block_bytes: int
     weights_bytes: int
     vocab_size: int
+    kv_cache_layout: KVCacheLayout | None = None
 
 
 encoder = msgspec.msgpack.Encoder()
@@ -114,7 +117,8 @@ def run_worker(spec: WorkerSpec) -> bool:
     try:
         worker = _start(spec)
         ready = WorkerReady(spec.rank, os.getpid(), worker.capacity, worker.kv_block_bytes(),
-                            worker.weights_bytes, worker.model.vocab_size)
+                            worker.weights_bytes, worker.model.vocab_size,
+                            worker.kv_cache_layout)
         outbox.send_multipart([READY, encoder.encode(ready)])
         _serve(worker, inbox, outbox)
         return True

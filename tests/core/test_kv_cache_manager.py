@@ -35,9 +35,9 @@ def allocate_prompt(mgr: KVCacheManager, req: Request) -> list[int]:
     """Admit a request the way the scheduler does: hits first, then its whole prompt."""
     hits, num_hit = mgr.get_computed_blocks(req)
     ids = mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits)
-    assert ids is not None
+    assert ids is not None and len(ids) == 1  # one KV cache group
     req.num_computed_tokens = req.num_tokens
-    return ids
+    return ids[0]
 
 
 def free_ids(mgr: KVCacheManager) -> list[int]:
@@ -124,16 +124,16 @@ def test_null_block_is_reserved_and_accounting_balances():
     req = make_request("a", range(10))
     ids = allocate_prompt(mgr, req)
     assert len(ids) == 3 and NULL_BLOCK_ID not in ids
-    assert mgr.get_block_ids("a") == ids and mgr.num_free_blocks == 5
+    assert mgr.get_block_ids("a")[0] == ids and mgr.num_free_blocks == 5
     assert mgr.usage == pytest.approx(3 / 8)
     # Growing inside the last block needs nothing new; crossing a boundary needs one block.
     req.append_output_token_ids([1])
-    assert mgr.allocate_slots(req, 1) == []
+    assert mgr.allocate_slots(req, 1) == ([],)
     req.num_computed_tokens += 1
     req.append_output_token_ids([2, 3])
-    assert mgr.allocate_slots(req, 2) == [mgr.get_block_ids("a")[-1]] and mgr.num_free_blocks == 4
+    assert mgr.allocate_slots(req, 2) == ([mgr.get_block_ids("a")[0][-1]],) and mgr.num_free_blocks == 4
     mgr.free(req)
-    assert mgr.num_free_blocks == 8 and mgr.get_block_ids("a") == []
+    assert mgr.num_free_blocks == 8 and mgr.get_block_ids("a") == ([],)
     mgr.free(req)  # idempotent
     assert mgr.num_free_blocks == 8
 
@@ -143,9 +143,9 @@ def test_failed_allocation_changes_nothing():
     a = make_request("a", range(8))
     allocate_prompt(mgr, a)
     b = make_request("b", range(100, 109))
-    before = (mgr.num_free_blocks, dict(mgr.req_to_blocks))
+    before = (mgr.num_free_blocks, dict(mgr.group_managers[0].req_to_blocks))
     assert mgr.allocate_slots(b, 9) is None
-    assert (mgr.num_free_blocks, dict(mgr.req_to_blocks)) == before
+    assert (mgr.num_free_blocks, dict(mgr.group_managers[0].req_to_blocks)) == before
     assert mgr.prefix_cache_stats.requests == 1  # only a's admission was counted
     with pytest.raises(ValueError, match="num_new_tokens"):
         mgr.allocate_slots(b, 0)
@@ -154,7 +154,7 @@ def test_failed_allocation_changes_nothing():
 def test_lookahead_reserves_extra_blocks():
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     req = make_request("a", range(4))
-    assert len(mgr.allocate_slots(req, 4, num_lookahead_tokens=5)) == 3  # ceil(9 / 4)
+    assert len(mgr.allocate_slots(req, 4, num_lookahead_tokens=5)[0]) == 3  # ceil(9 / 4)
 
 
 def test_invalid_construction():
@@ -172,8 +172,8 @@ def test_prefix_hit_shares_blocks_with_ref_counts():
     a_ids = allocate_prompt(mgr, a)
     b = make_request("b", prompt + [99])
     hits, num_hit = mgr.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == a_ids[:2] and num_hit == 8
-    b_ids = mgr.allocate_slots(b, b.num_tokens - num_hit, num_hit, hits)
+    assert [h.block_id for h in hits[0]] == a_ids[:2] and num_hit == 8
+    b_ids = mgr.allocate_slots(b, b.num_tokens - num_hit, num_hit, hits)[0]
     assert b_ids[:2] == a_ids[:2] and b_ids[2] != a_ids[2]
     blocks = mgr.block_pool.blocks
     assert [blocks[i].ref_cnt for i in a_ids] == [2, 2, 1]
@@ -194,7 +194,7 @@ def test_last_prompt_token_never_hits(prompt_len, expected_hit_blocks):
     mgr = KVCacheManager(num_blocks=16, block_size=BS)
     allocate_prompt(mgr, make_request("a", range(prompt_len)))
     hits, num_hit = mgr.get_computed_blocks(make_request("b", range(prompt_len)))
-    assert len(hits) == expected_hit_blocks == (prompt_len - 1) // BS
+    assert len(hits[0]) == expected_hit_blocks == (prompt_len - 1) // BS
     assert num_hit == expected_hit_blocks * BS < prompt_len
 
 
@@ -217,10 +217,10 @@ def test_different_content_or_salt_never_shares():
 def test_prompt_logprobs_and_disabled_caching_skip_the_cache():
     mgr = KVCacheManager(num_blocks=16, block_size=BS)
     allocate_prompt(mgr, make_request("a", range(12)))
-    assert mgr.get_computed_blocks(make_request("b", range(12), prompt_logprobs=1)) == ([], 0)
+    assert mgr.get_computed_blocks(make_request("b", range(12), prompt_logprobs=1)) == (([],), 0)
     off = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
     allocate_prompt(off, make_request("a", range(12)))
-    assert off.get_computed_blocks(make_request("b", range(12))) == ([], 0)
+    assert off.get_computed_blocks(make_request("b", range(12))) == (([],), 0)
     assert not off.block_pool.cached_blocks
 
 
@@ -262,7 +262,7 @@ def test_free_hits_count_against_capacity():
     assert num_hit == 8
     # b needs its 2 hits (both in the free queue) plus one new block: 3 > 2 free.
     assert mgr.allocate_slots(b, 1, num_hit, hits) is None
-    assert mgr.num_free_blocks == 2 and all(h.ref_cnt == 0 for h in hits)
+    assert mgr.num_free_blocks == 2 and all(h.ref_cnt == 0 for h in hits[0])
 
 
 def test_lru_eviction_order():

@@ -96,7 +96,7 @@ def run_step(
 def assert_all_free(s: Scheduler) -> None:
     kv = s.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
-    assert not kv.req_to_blocks
+    assert not any(m.req_to_blocks for m in kv.group_managers)
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
 
 
@@ -182,18 +182,18 @@ def test_new_then_cached_diffs_and_prefix_hits():
     add(s, make_request("a", prompt))
     so, _ = run_step(s)
     (new,) = so.scheduled_new_reqs
-    a_blocks = s.kv_cache_manager.get_block_ids("a")
+    a_blocks = s.kv_cache_manager.get_block_ids("a")[0]
     assert (new.prompt_token_ids, new.output_token_ids) == (prompt, [])
-    assert new.block_ids == a_blocks and len(a_blocks) == 3 and new.num_computed_tokens == 0
+    assert new.block_ids == (a_blocks,) and len(a_blocks) == 3 and new.num_computed_tokens == 0
 
     add(s, make_request("b", prompt + [5, 6]))
     so, outs = run_step(s)
     assert so.scheduled_cached_reqs.req_ids == ["a"]
-    assert so.scheduled_cached_reqs.new_block_ids == [[]]
+    assert so.scheduled_cached_reqs.new_block_ids == [([],)]
     assert so.scheduled_cached_reqs.num_computed_tokens == [10]
     (new_b,) = so.scheduled_new_reqs
     # b reuses a's two full blocks and computes only its remaining 4 tokens.
-    assert new_b.num_computed_tokens == 8 and new_b.block_ids[:2] == a_blocks[:2]
+    assert new_b.num_computed_tokens == 8 and new_b.block_ids[0][:2] == a_blocks[:2]
     assert so.num_scheduled_tokens == {"a": 1, "b": 4}
     assert outs["b"].num_cached_tokens == 8
     stats = s.make_stats()
@@ -202,10 +202,10 @@ def test_new_then_cached_diffs_and_prefix_hits():
 
     so, _ = run_step(s)
     assert so.scheduled_cached_reqs.num_computed_tokens == [11, 12]
-    b_last = s.kv_cache_manager.get_block_ids("b")[-1]
-    assert so.scheduled_cached_reqs.new_block_ids == [[], [b_last]]  # b computes its 13th token
+    b_last = s.kv_cache_manager.get_block_ids("b")[0][-1]
+    assert so.scheduled_cached_reqs.new_block_ids == [([],), ([b_last],)]  # b computes its 13th token
     so, _ = run_step(s)  # a computes its 13th token: a fourth block
-    assert so.scheduled_cached_reqs.new_block_ids[0] == [s.kv_cache_manager.get_block_ids("a")[-1]]
+    assert so.scheduled_cached_reqs.new_block_ids[0] == ([s.kv_cache_manager.get_block_ids("a")[0][-1]],)
 
 
 # -- preemption -----------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_preemption_victim_order(policy, priorities, victim, survivor):
     assert so.num_scheduled_tokens == {survivor: 1}
     v = s.get_request(victim)
     assert v.status == RequestStatus.PREEMPTED and v.num_computed_tokens == 0
-    assert v.num_preemptions == 1 and s.kv_cache_manager.get_block_ids(victim) == []
+    assert v.num_preemptions == 1 and s.kv_cache_manager.get_block_ids(victim) == ([],)
     assert next(iter(s.waiting)) is v and s.running == [s.get_request(survivor)]
     assert s.make_stats().num_preemptions == 1 and s.make_stats().num_preemptions == 0
 
@@ -457,7 +457,7 @@ def test_lookahead_never_reaches_past_max_model_len():
     s = make_scheduler(max_model_len=8, num_lookahead_tokens=4)
     add(s, make_request("a", 7))
     so = s.schedule()
-    assert len(so.scheduled_new_reqs[0].block_ids) == 2  # 7 tokens + 1 slot, not 4
+    assert len(so.scheduled_new_reqs[0].block_ids[0]) == 2  # 7 tokens + 1 slot, not 4
 
 
 def test_stop_inside_accepted_tokens_truncates_tokens_and_logprobs():
@@ -535,7 +535,7 @@ def test_lookahead_slots_are_reserved():
     s = make_scheduler(num_lookahead_tokens=4)
     add(s, make_request("a", 4))
     so = s.schedule()
-    assert len(so.scheduled_new_reqs[0].block_ids) == 2  # 4 tokens + 4 lookahead slots
+    assert len(so.scheduled_new_reqs[0].block_ids[0]) == 2  # 4 tokens + 4 lookahead slots
 
 
 def test_scheduler_and_kv_cache_import_no_device_libraries():

@@ -85,7 +85,7 @@ class FakeRunner:
             assert new.req_id not in self.requests, "new request the runner already holds"
             self.requests[new.req_id] = _RunnerRequest(
                 new.prompt_token_ids + new.output_token_ids,
-                list(new.block_ids),
+                list(new.block_ids[0]),
                 new.num_computed_tokens,
             )
         cached = so.scheduled_cached_reqs
@@ -94,7 +94,7 @@ class FakeRunner:
         ):
             state = self.requests[rid]
             assert state.num_computed_tokens == computed, f"{rid}: diff disagrees on progress"
-            state.block_ids.extend(blocks)
+            state.block_ids.extend(blocks[0])
         assert set(so.num_scheduled_tokens) == {n.req_id for n in so.scheduled_new_reqs} | set(
             cached.req_ids
         )
@@ -137,7 +137,7 @@ def check_invariants(s: Scheduler, so: SchedulerOutput | None = None) -> None:
 
     # Ownership: a block appears in as many tables as its ref count says.
     owners = [0] * pool.num_blocks
-    for rid, blocks in kv.req_to_blocks.items():
+    for rid, blocks in kv.group_managers[0].req_to_blocks.items():
         assert rid in running_ids, f"{rid} holds blocks but is not running"
         assert len({b.block_id for b in blocks}) == len(blocks)
         for b in blocks:
@@ -154,10 +154,10 @@ def check_invariants(s: Scheduler, so: SchedulerOutput | None = None) -> None:
 
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(kv.get_block_ids(r.request_id)) * kv.block_size >= r.num_computed_tokens
+        assert len(kv.get_block_ids(r.request_id)[0]) * kv.block_size >= r.num_computed_tokens
         assert r.num_computed_tokens <= min(r.num_tokens_with_spec, cfg.max_model_len)
     for r in s.waiting:
-        assert r.num_computed_tokens == 0 and not kv.get_block_ids(r.request_id)
+        assert r.num_computed_tokens == 0 and not kv.get_block_ids(r.request_id)[0]
 
 
 class Chooser:
@@ -276,7 +276,7 @@ def simulate(c: Chooser) -> tuple[list[Request], FakeRunner]:
         assert request.num_tokens <= MAX_MODEL_LEN
     s.schedule()  # hands the last finished ids to the runner
     kv = s.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks and not kv.req_to_blocks
+    assert kv.num_free_blocks == kv.num_usable_blocks and not kv.group_managers[0].req_to_blocks
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
     assert s.reset_prefix_cache()
     return list(requests.values()), runner

@@ -67,7 +67,7 @@ def test_n_samples_share_the_prompt_kv_blocks(llm, tokenizer):
                        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4))
     engine.step()  # the prefill of all three children
     kv = _core(llm).scheduler.kv_cache_manager
-    tables = [kv.get_block_ids(f"{i}_shared") for i in range(3)]
+    tables = [kv.get_block_ids(f"{i}_shared")[0] for i in range(3)]
     num_full = len(prompt) // block_size
     assert tables[0][:num_full] == tables[1][:num_full] == tables[2][:num_full]
     assert len({t[num_full] for t in tables}) == 3  # the partial block is each child's own

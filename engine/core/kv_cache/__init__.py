@@ -3,6 +3,12 @@
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from engine.core.kv_cache.free_queue import FreeKVCacheBlockQueue
+from engine.core.kv_cache.groups import (
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    build_kv_cache_layout,
+    single_group_layout,
+)
 from engine.core.kv_cache.hashing import (
     ROOT_BLOCK_HASH,
     BlockHash,
@@ -20,10 +26,14 @@ __all__ = [
     "BlockPool",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
+    "KVCacheGroupSpec",
+    "KVCacheLayout",
     "KVCacheManager",
     "PrefixCacheStats",
+    "build_kv_cache_layout",
     "hash_block_tokens",
     "kv_cache_block_bytes",
     "num_blocks_for_memory",
+    "single_group_layout",
     "update_block_hashes",
 ]

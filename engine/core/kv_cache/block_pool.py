@@ -74,8 +74,10 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         start: int,
         end: int,
+        key_offset: int = 0,
     ) -> None:
-        """Register ``blocks[start:end]`` (full) under ``block_hashes[start:end]``.
+        """Register ``blocks[start:end]`` (full) under ``block_hashes[start - key_offset :
+        end - key_offset]`` (null entries of a windowed group's table are skipped).
 
         If another block already holds the same content (two requests computed the same
         prefix in one step), the first one stays the canonical copy and this one simply
@@ -85,9 +87,9 @@ class BlockPool:
             return
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already indexed
-            block_hash = block_hashes[i]
+            if block.block_hash is not None or block.is_null:
+                continue  # a prefix hit (already indexed) or a dropped block
+            block_hash = block_hashes[i - key_offset]
             if block_hash in self.cached_blocks:
                 continue
             block.block_hash = block_hash

@@ -32,7 +32,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # the request's block table of each KV cache group
     num_computed_tokens: int
     eos_token_id: int | None = None  # the sampler masks it while output < min_tokens
     # A pooling request (runner "pooling"): what to pool, and the token type of every
@@ -46,7 +46,9 @@ class CachedRequestData:
     """Per-step deltas for requests the executor already holds (parallel lists)."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Per request, the block ids appended to each KV cache group's table this step (a
+    # windowed group's blocks that left the window stay in the executor's table unread).
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     # Tokens accepted since the executor last saw each request, for the ranks that do
     # not sample (earlier pipeline stages); empty lists unless the executor asks for them.

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_io import EngineCoreOutput
-from engine.core.kv_cache import KVCacheManager
+from engine.core.kv_cache import KVCacheGroupSpec, KVCacheManager
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler.output import (
     CachedRequestData,
@@ -75,10 +75,11 @@ class _Step:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    def record(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+    def record(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...],
+               is_new: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
         if is_new:
@@ -101,7 +102,10 @@ class Scheduler:
         send_new_token_ids: bool = False,
         num_micro_batches: int = 1,
         kv_connector: Any = None,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
     ) -> None:
+        """``kv_cache_groups``: the model's KV cache groups (the executor's
+        ``kv_cache_layout``); None: one group."""
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
         if num_speculative_tokens < 0:
@@ -120,8 +124,13 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self._spec_stats = SpecDecodingStats() if num_speculative_tokens else None
 
+        if kv_connector is not None and kv_cache_groups is not None and len(kv_cache_groups) > 1:
+            raise ValueError("KV connectors move one block table per request: run a hybrid "
+                             "model with one KV cache group (--disable-hybrid-kv-cache-manager)")
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            groups=kv_cache_groups,
+            max_step_tokens=self.max_num_batched_tokens + num_lookahead_tokens,
         )
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.requests: dict[str, Request] = {}
@@ -293,7 +302,7 @@ class Scheduler:
                 self.waiting.pop()
                 self._finish_ignored(request)
                 continue
-            owns_blocks = request.request_id in kv.req_to_blocks  # its external KV landed
+            owns_blocks = kv.holds_blocks(request.request_id)  # its external KV landed
             if owns_blocks:
                 hit_blocks, num_hit = [], request.num_computed_tokens
             else:
@@ -351,7 +360,8 @@ class Scheduler:
         request.num_computed_tokens = num_hit
         request.num_local_hit_tokens = num_hit
         request.num_external_tokens = num_external
-        connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
+        # One KV cache group whenever a connector runs (checked at construction).
+        connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id)[0],
                                            num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         return True
@@ -397,7 +407,7 @@ class Scheduler:
         if self.kv_connector is None or request.kv_transfer_params_out is not None:
             return False
         delay, params = self.kv_connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request.request_id))
+            request, self.kv_cache_manager.get_block_ids(request.request_id)[0])
         request.kv_transfer_params_out = params or {}
         return bool(delay)
 

@@ -165,10 +165,11 @@ class Attention(nn.Module):
             connector.wait_for_layer_load(self.cache_index)
         # An encoder layer keeps no cache (the model reports no KV layers for it).
         cache = ctx.kv_caches[self.cache_index] if self.spec.causal else None
+        metadata = ctx.metadata_for(self.cache_index)
         if self.spec.is_mla:
             out = self.impl.forward(
                 q.view(num_tokens, self.num_heads, self.head_size),
-                k.view(num_tokens, 1, self.head_size), None, cache, ctx.attn_metadata,
+                k.view(num_tokens, 1, self.head_size), None, cache, metadata,
             )
         else:
             out = self.impl.forward(
@@ -176,10 +177,10 @@ class Attention(nn.Module):
                 k.view(num_tokens, self.num_kv_heads, self.head_size),
                 v.view(num_tokens, self.num_kv_heads, self.head_size),
                 cache,
-                ctx.attn_metadata,
+                metadata,
             ).reshape(num_tokens, self.num_heads * self.head_size)
         if connector is not None:
-            connector.save_kv_layer(self.cache_index, cache, ctx.attn_metadata)
+            connector.save_kv_layer(self.cache_index, cache, metadata)
         return out
 
     def extra_repr(self) -> str:

@@ -155,7 +155,7 @@ def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir):
     prefix = _prompts(hf.config.vocab_size, [24], seed=3)[0]
     tails = _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)
     prompts = [prefix + t for t in tails]
-    engine = {**ENGINE, "num_gpu_blocks_override": 12, "max_model_len": 64,
+    engine = {**ENGINE, "num_gpu_blocks_override": 17, "max_model_len": 64,
               "max_num_batched_tokens": 16,
               "enable_chunked_prefill": True, "enable_prefix_caching": True}
     with LLM(str(path), **engine) as llm:
