@@ -194,9 +194,8 @@ def test_prefix_cache_chunked_prefill_and_preemption(tiny_models):
     prefix = _prompts(hf.config.vocab_size, [24], seed=7)[0]
     tails = _prompts(hf.config.vocab_size, [3, 17, 9, 30], seed=8)
     prompts = [prefix + t for t in tails]
-    engine = {**BACKEND, "num_gpu_blocks_override": 10, "max_num_batched_tokens": 16,
-              "max_model_len": 64, "enable_chunked_prefill": True,
-              "enable_prefix_caching": True}
+    engine = {**BACKEND, "max_num_batched_tokens": 16, "max_model_len": 64,
+              "enable_chunked_prefill": True, "enable_prefix_caching": True}
     with LLM(str(path), **engine) as llm:
         first = llm.generate({"prompt_token_ids": prefix + [5, 6]}, _greedy(), use_tqdm=False)
         assert first[0].num_cached_tokens == 0
@@ -204,8 +203,9 @@ def test_prefix_cache_chunked_prefill_and_preemption(tiny_models):
         again = llm.generate({"prompt_token_ids": prompts[0]}, _greedy(), use_tqdm=False)[0]
         assert again.num_cached_tokens >= 24  # the shared prefix came from the cache
         assert list(again.outputs[0].token_ids) == list(outputs[0].outputs[0].token_ids)
-        # Four 2-block prompts fit (8 of 10 blocks); their decodes need a third block
-        # each: some are preempted and recomputed.
+    # Two KV cache groups (sliding, full): a 15-token prompt holds 2 + 2 blocks, its decode
+    # a third full one; four of them do not fit 13 blocks: some are preempted.
+    with LLM(str(path), **{**engine, "num_gpu_blocks_override": 13}) as llm:
         _check_against_hf(llm, hf, _prompts(hf.config.vocab_size, [15, 15, 14, 13], seed=9))
         assert llm.llm_engine.client.core.scheduler.num_preemptions_total >= 1
 
