@@ -220,6 +220,10 @@ def test_llama_through_transformers_equals_native(tmp_path, caplog):
     with LLM(str(path), **ENGINE, model_impl="transformers") as llm:
         model = _model(llm)
         assert model.hf_class_name == "LlamaForCausalLM"
+        from engine.model_executor.models.transformers_backend.norm import HFRMSNorm
+
+        # Two norms per layer and the final one run on the engine's RMSNorm kernel.
+        assert sum(isinstance(m, HFRMSNorm) for m in model.modules()) == 2 * 2 + 1
         info = llm.llm_engine.client.core.executor.runtime_info()
         assert info["model_impl"] == "transformers (LlamaForCausalLM)"
         assert "model implementation transformers (LlamaForCausalLM)" in caplog.text
@@ -399,6 +403,10 @@ def test_quantized_checkpoint_through_the_backend(fixture):
     with LLM(str(path), **BACKEND) as llm:
         model = _model(llm)
         assert model.hf_class_name == "LlamaForCausalLM"
+        from engine.model_executor.models.transformers_backend.norm import HFRMSNorm
+
+        # Two norms per layer and the final one run on the engine's RMSNorm kernel.
+        assert sum(isinstance(m, HFRMSNorm) for m in model.modules()) == 2 * 2 + 1
         methods = {type(m.quant_method).__name__ for m in model.modules()
                    if hasattr(m, "quant_method")}
         assert methods - {"UnquantizedLinearMethod"}, methods

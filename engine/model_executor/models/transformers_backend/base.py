@@ -11,9 +11,10 @@ layers where they matter for speed and parallelism:
   (:mod:`.attention`);
 - ``nn.Linear`` -> the engine's replicated / column / row parallel linears (:mod:`.linear`),
   the input embedding and the LM head -> ``VocabEmbedding`` / ``LMHead``;
-- fused MoE experts -> the platform's fused-MoE kernel (:mod:`.moe`).
+- fused MoE experts -> the platform's fused-MoE kernel (:mod:`.moe`);
+- Llama-style RMSNorms -> the engine's RMSNorm on the platform's kernel (:mod:`.norm`).
 
-Everything else (norms, rotary embeddings, activations, residual wiring) is
+Everything else (other norms, rotary embeddings, activations, residual wiring) is
 transformers' code, run on a flat token batch as one sequence of batch size 1.
 """
 
@@ -167,8 +168,10 @@ class TransformersForCausalLM(nn.Module):
     def _replace_layers(self, head: nn.Module, tp_size: int) -> None:
         ctx = self.ctx
         from engine.model_executor.models.transformers_backend.moe import replace_experts
+        from engine.model_executor.models.transformers_backend.norm import replace_rms_norms
 
         replace_experts(self, ctx)
+        replace_rms_norms(self, ctx)
         embedding = self.base_model.get_input_embeddings()
         for name, module in list(self.named_modules()):
             if type(module) is nn.Linear:
