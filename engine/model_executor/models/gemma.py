@@ -33,9 +33,8 @@ import torch
 from torch import nn
 
 from engine.model_executor.layers.activation import get_act_and_mul
-from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
-from engine.model_executor.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from engine.model_executor.layers.linear import MergedLinear, RowParallelLinear
 from engine.model_executor.layers.norm import GemmaRMSNorm
 from engine.model_executor.layers.rotary import (
     RopeInputs,
@@ -46,6 +45,7 @@ from engine.model_executor.layers.rotary import (
 from engine.model_executor.models.interface import IntermediateTensors, ModelInitContext
 from engine.model_executor.models.llama import (
     DecoderOptions,
+    LlamaAttention,
     LlamaForCausalLM,
     PPMissingLayer,
     config_head_size,
@@ -74,6 +74,15 @@ class GemmaOptions:
 
     def layer_type(self, layer_idx: int) -> str:
         return self.layer_types[layer_idx] if self.layer_types else FULL
+
+    def decoder_options(self, hf_config: Any) -> DecoderOptions:
+        """The Llama attention switches these options amount to."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderOptions(
+            head_size=config_head_size(hf_config), qkv_bias=bias, o_proj_bias=bias,
+            qk_norm=self.qk_norm, attn_scale=self.attn_scale, attn_soft_cap=self.attn_soft_cap,
+            sliding_windows=tuple(self.window(i) for i in range(hf_config.num_hidden_layers)),
+        )
 
 
 def layer_types_of(hf_config: Any) -> tuple[str, ...]:
@@ -136,57 +145,17 @@ class GemmaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's scale, soft-cap and zero-centred q/k norms."""
+
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: GemmaOptions,
                  layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
-        num_heads = hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        self.head_size = config_head_size(hf_config)
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        common = {**ctx.matrix_dtypes, "device": ctx.device}
-        prefix = f"model.layers.{layer_idx}.self_attn"
-        self.qkv_proj = QKVLinear(
-            hf_config.hidden_size, self.head_size, num_heads, num_kv_heads, bias=bias,
-            **common, tp=ctx.tp,
-            quant_method=ctx.linear_method(*(f"{prefix}.{p}_proj" for p in "qkv")),
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
-            num_heads * self.head_size, hf_config.hidden_size, bias=bias, **common,
-            tp=ctx.tp, quant_method=ctx.linear_method(f"{prefix}.o_proj"),
-        )
-        if opts.qk_norm:
-            norm = {"dtype": ctx.dtype, "device": ctx.device}
-            self.q_norm = GemmaRMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
-            self.k_norm = GemmaRMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
-        else:
-            self.q_norm = self.k_norm = None
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads, self.head_size, opts.attn_scale, self.num_kv_heads, layer_idx,
-            ctx.attn_backend, sliding_window=opts.window(layer_idx),
-            logits_soft_cap=opts.attn_soft_cap,
-            cache_index=layer_idx - ctx.stage_layers(hf_config.num_hidden_layers).start,
-        )
+        super().__init__(hf_config, ctx, opts.decoder_options(hf_config), layer_idx,
+                         rotary_emb)
 
-    def _head_norm(self, x: torch.Tensor, norm: GemmaRMSNorm) -> torch.Tensor:
-        shape = x.shape
-        return norm(x.reshape(shape[0], -1, self.head_size)).view(shape)
-
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.shard_sizes["q"], self.qkv_proj.shard_sizes["k"]
-        if self.q_norm is None:  # q and k heads side by side: one rotary pass for both
-            qk = self.rotary_emb.apply(qkv[:, : q_size + kv_size], rope)
-            q, k = qk.split([q_size, kv_size], dim=-1)
-            v = qkv[:, q_size + kv_size :]
-        else:
-            q, k, v = self.qkv_proj.split(qkv)
-            q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
-            q, k = self.rotary_emb.apply(q, rope), self.rotary_emb.apply(k, rope)
-        return self.o_proj(self.attn(q, k, v))
+    @staticmethod
+    def make_head_norm(head_size: int, eps: float, ctx: ModelInitContext) -> nn.Module:
+        return GemmaRMSNorm(head_size, eps, dtype=ctx.dtype, device=ctx.device)
 
 
 class GemmaDecoderLayer(nn.Module):

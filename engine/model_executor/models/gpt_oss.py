@@ -37,7 +37,6 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.core.interfaces.moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.fused_moe import FusedMoE, RouterConfig
 from engine.model_executor.layers.linear import ReplicatedLinear, copy_checked, tp_rank_size
 from engine.model_executor.lazy_tensor import materialize, split_part
@@ -66,18 +65,9 @@ class GptOssAttention(LlamaAttention):
     """Llama attention with biases and learned per-head sinks (``self.attn.sinks``,
     filled from the checkpoint's ``self_attn.sinks``)."""
 
-    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
-                 layer_idx: int, rotary_emb: Any) -> None:
-        super().__init__(hf_config, ctx, opts, layer_idx, rotary_emb)
-        rank, _ = tp_rank_size(ctx.tp)
-        spec = self.attn.spec
-        # The same layer as Llama's, with sinks: this rank's heads start at rank * heads.
-        self.attn = Attention(
-            self.num_heads, self.head_size, spec.scale, self.num_kv_heads, layer_idx,
-            ctx.attn_backend, sliding_window=spec.sliding_window,
-            cache_index=self.attn.cache_index, use_sinks=True,
-            sinks_head_offset=rank * self.num_heads,
-        )
+    def extra_attention_args(self, ctx: ModelInitContext) -> dict[str, Any]:
+        rank, _ = tp_rank_size(ctx.tp)  # this rank's heads start at rank * heads
+        return {"use_sinks": True, "sinks_head_offset": rank * self.num_heads}
 
 
 def deinterleave(gate_up: torch.Tensor, dim: int) -> torch.Tensor:

@@ -63,6 +63,7 @@ class DecoderOptions:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty: all full attention
     attn_scale: float | None = None  # softmax scale; None: head_size ** -0.5
+    attn_soft_cap: float | None = None  # attention logit soft-capping (Gemma 2)
 
     def window(self, layer_idx: int) -> int | None:
         return self.sliding_windows[layer_idx] if self.sliding_windows else None
@@ -147,9 +148,8 @@ class LlamaAttention(nn.Module):
             **common, tp=ctx.tp, quant_method=ctx.linear_method(f"{prefix}.o_proj"),
         )
         if opts.qk_norm:
-            norm = {"dtype": ctx.dtype, "device": ctx.device, "fused_ops": ctx.fused_ops}
-            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
-            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, **norm)
+            self.q_norm = self.make_head_norm(self.head_size, hf_config.rms_norm_eps, ctx)
+            self.k_norm = self.make_head_norm(self.head_size, hf_config.rms_norm_eps, ctx)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
@@ -161,8 +161,20 @@ class LlamaAttention(nn.Module):
             layer_idx,
             ctx.attn_backend,
             sliding_window=opts.window(layer_idx),
+            logits_soft_cap=opts.attn_soft_cap,
             cache_index=layer_idx - ctx.stage_layers(hf_config.num_hidden_layers).start,
+            **self.extra_attention_args(ctx),
         )
+
+    @staticmethod
+    def make_head_norm(head_size: int, eps: float, ctx: ModelInitContext) -> nn.Module:
+        """The per-head q/k norm (``opts.qk_norm``); family members override it."""
+        return RMSNorm(head_size, eps, dtype=ctx.dtype, device=ctx.device,
+                       fused_ops=ctx.fused_ops)
+
+    def extra_attention_args(self, ctx: ModelInitContext) -> dict[str, Any]:
+        """More keywords for this layer's :class:`Attention` (e.g. sinks)."""
+        return {}
 
     def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         shape = x.shape

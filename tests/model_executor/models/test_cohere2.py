@@ -15,6 +15,7 @@ from tests.model_executor.models.test_gemma_models import (
     ENGINE,
     PROMPT_LENGTHS,
     assert_matches_transformers,
+    check_prefix_cache_chunked_prefill_and_preemption,
     greedy,
     last_logprobs,
     perturbed_model_dir,
@@ -53,26 +54,7 @@ def test_the_comparison_sees_window_and_positions(cohere2_dir):
 
 
 def test_prefix_cache_chunked_prefill_and_preemption(cohere2_dir):
-    """A shared three-block prefix, a 16-token step budget (chunked prefill across the
-    window) and a pool too small for the batch (preemption): outputs still equal
-    transformers'."""
-    hf = load_hf_model(cohere2_dir)
-    prefix = _prompts(hf.config.vocab_size, [24], seed=3)[0]
-    tails = _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)
-    prompts = [prefix + t for t in tails]
-    engine = {**ENGINE, "num_gpu_blocks_override": 17, "max_model_len": 64,
-              "max_num_batched_tokens": 16,
-              "enable_chunked_prefill": True, "enable_prefix_caching": True}
-    with LLM(str(cohere2_dir), **engine) as llm:
-        core = llm.llm_engine.client.core
-        first = llm.generate({"prompt_token_ids": prompts[0]}, greedy(), use_tqdm=False)
-        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], greedy(),
-                            use_tqdm=False)
-        preemptions = core.scheduler.num_preemptions_total
-    assert preemptions > 0
-    assert max(o.num_cached_tokens for o in rest) >= 16, [o.num_cached_tokens for o in rest]
-    for prompt, out in zip(prompts, first + rest):
-        assert_matches_transformers(hf, prompt, out.outputs[0])
+    check_prefix_cache_chunked_prefill_and_preemption(cohere2_dir)
 
 
 @pytest.mark.parametrize("parallel", [

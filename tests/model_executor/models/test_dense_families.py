@@ -23,7 +23,12 @@ import torch
 from engine import LLM, SamplingParams
 from tests.entrypoints.test_llm_equivalence import _prompts
 from tests.helpers.equivalence import assert_outputs_equivalent
-from tests.helpers.hf_reference import load_hf_model
+from tests.helpers.hf_reference import (
+    assert_matches_reference,
+    hf_generate_with_logprobs,
+    load_hf_model,
+    sampled_logprobs,
+)
 
 MAX_TOKENS = 16
 ENGINE = {"dtype": "float32", "device": "cpu", "num_gpu_blocks_override": 96,
@@ -59,42 +64,14 @@ def _hf_stepwise(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], tor
     return tokens, torch.stack(logits).double().log_softmax(-1)
 
 
-@torch.inference_mode()
 def _hf_generate(hf, prompt: list[int], max_tokens: int = MAX_TOKENS
                  ) -> tuple[list[int], torch.Tensor]:
-    """Transformers' greedy tokens and the float64 logprobs of each step's raw logits."""
+    """Transformers' greedy tokens and the float64 logprobs of each step's raw logits
+    (step by step over the cache past a LongRoPE model's original context)."""
     original = getattr(hf.config, "original_max_position_embeddings", None)
     if original is not None and len(prompt) + max_tokens > original:
         return _hf_stepwise(hf, prompt, max_tokens)
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                      output_logits=True, return_dict_in_generate=True)
-    logprobs = torch.stack([s[0] for s in out.logits]).double().log_softmax(-1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
-def assert_matches_reference(got: list[int], got_logprobs: list[float], want: list[int],
-                             ref: torch.Tensor, tie: float = 1e-3) -> None:
-    """Tokens equal up to a verified near-tie in transformers' step distribution; the
-    sampled tokens' logprobs equal until then."""
-    agree = len(want)
-    for j, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top = ref[j].topk(2)
-            gap = float(top.values[0] - top.values[1])
-            assert gap < tie and g in top.indices.tolist(), (
-                f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}")
-            agree = j
-            break
-    assert len(got) == len(want), (got, want)
-    expected = ref[:agree].gather(1, torch.tensor(want[:agree])[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(got_logprobs[:agree], dtype=torch.float64),
-                               expected, atol=2e-4, rtol=0)
-
-
-def _sampled_logprobs(out) -> list[float]:
-    return [out.logprobs[j][t].logprob for j, t in enumerate(out.token_ids)]
+    return hf_generate_with_logprobs(hf, prompt, max_tokens)
 
 
 def _with_random_biases(path: Path, out: Path) -> Path:
@@ -124,7 +101,7 @@ def test_dense_family_matches_transformers(model_dir_factory, tmp_path, variant)
     for prompt, out in zip(prompts, outs):
         want, ref = _hf_generate(hf, prompt)
         got = out.outputs[0]
-        assert_matches_reference(list(got.token_ids), _sampled_logprobs(got), want, ref)
+        assert_matches_reference(list(got.token_ids), sampled_logprobs(got), want, ref)
 
 
 def test_longrope_table_matches_transformers(model_dir_factory):
@@ -181,7 +158,7 @@ def test_prefix_cache_chunked_prefill_and_preemption(model_dir_factory):
     for prompt, out in zip(prompts, outs):
         want, ref = _hf_generate(hf, prompt)
         got = out.outputs[0]
-        assert_matches_reference(list(got.token_ids), _sampled_logprobs(got), want, ref)
+        assert_matches_reference(list(got.token_ids), sampled_logprobs(got), want, ref)
 
 
 @pytest.mark.parametrize("variant", ["phi3-longrope", "olmo2"])

@@ -23,7 +23,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.entrypoints.test_llm_equivalence import _prompts
-from tests.helpers.hf_reference import load_hf_model
+from tests.helpers.hf_reference import (
+    assert_matches_reference,
+    hf_generate_with_logprobs,
+    load_hf_model,
+    sampled_logprobs,
+)
 
 MAX_TOKENS = 12
 ENGINE = {"dtype": "float32", "device": "cpu", "num_gpu_blocks_override": 96,
@@ -53,37 +58,11 @@ def greedy(logprobs: int | None = 1, max_tokens: int = MAX_TOKENS) -> SamplingPa
                           logprobs=logprobs)
 
 
-@torch.inference_mode()
-def hf_generate(hf, prompt: list[int], max_tokens: int = MAX_TOKENS
-                ) -> tuple[list[int], torch.Tensor]:
-    """Transformers' greedy tokens and the float64 logprobs of each step's logits."""
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                      output_logits=True, return_dict_in_generate=True)
-    logprobs = torch.stack([s[0] for s in out.logits]).double().log_softmax(-1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
 def assert_matches_transformers(hf, prompt: list[int], out, tie: float = 1e-3) -> None:
     """The engine's tokens equal transformers' up to a verified near-tie (top-2 within
     ``tie`` in its step distribution); the sampled tokens' logprobs equal until then."""
-    want, ref = hf_generate(hf, prompt, len(out.token_ids))
-    got = list(out.token_ids)
-    agree = len(want)
-    for j, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            top = ref[j].topk(2)
-            gap = float(top.values[0] - top.values[1])
-            assert gap < tie and g in top.indices.tolist(), (
-                f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}")
-            agree = j
-            break
-    assert len(got) == len(want), (got, want)
-    got_lp = torch.tensor([out.logprobs[j][t].logprob for j, t in enumerate(got[:agree])],
-                          dtype=torch.float64)
-    expected = ref[:agree].gather(1, torch.tensor(want[:agree])[:, None]).squeeze(1)
-    torch.testing.assert_close(got_lp, expected, atol=2e-4, rtol=0)
+    want, ref = hf_generate_with_logprobs(hf, prompt, len(out.token_ids))
+    assert_matches_reference(list(out.token_ids), sampled_logprobs(out), want, ref, tie)
 
 
 @torch.inference_mode()
@@ -146,11 +125,11 @@ def test_the_comparison_sees_window_and_soft_caps(gemma_dir, variant):
         assert moved(attn_logit_softcapping=None) == 0.0
 
 
-def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir):
-    """Gemma 3 with a shared three-block prefix, a 16-token step budget (prompts are
-    prefilled in chunks, across the window) and a pool too small for the batch (requests
-    are preempted and recomputed): outputs still equal transformers'."""
-    path = gemma_dir("gemma3")
+def check_prefix_cache_chunked_prefill_and_preemption(path: Path) -> None:
+    """A shared three-block prefix, a 16-token step budget (prompts are prefilled in
+    chunks, across the window) and a pool too small for the batch (requests are preempted
+    and recomputed; 17 blocks: every KV cache group's table counts): outputs still equal
+    transformers'."""
     hf = load_hf_model(path)
     prefix = _prompts(hf.config.vocab_size, [24], seed=3)[0]
     tails = _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)
@@ -168,6 +147,10 @@ def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir):
     assert max(o.num_cached_tokens for o in rest) >= 16, [o.num_cached_tokens for o in rest]
     for prompt, out in zip(prompts, first + rest):
         assert_matches_transformers(hf, prompt, out.outputs[0])
+
+
+def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir):
+    check_prefix_cache_chunked_prefill_and_preemption(gemma_dir("gemma3"))
 
 
 @pytest.mark.parametrize(("variant", "parallel"),
