@@ -27,7 +27,7 @@ from engine.model_executor.layers.embedding import VocabEmbedding
 from engine.model_executor.layers.linear import QKVLinear, RowParallelLinear
 from engine.model_executor.layers.norm import Float32LayerNorm
 from engine.model_executor.layers.rotary import RopeInputs, RotaryEmbedding
-from engine.model_executor.models.gemma import init_lm_head, layer_types_of, rope_scaling_for
+from engine.model_executor.models.gemma import layer_types_of, rope_scaling_for
 from engine.model_executor.models.interface import IntermediateTensors, ModelInitContext
 from engine.model_executor.models.llama import (
     DecoderOptions,
@@ -169,7 +169,7 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
         self.stage_layers = self.model.stage_layers
         self.num_layers = len(self.stage_layers)
         self.num_kv_heads = self.model.layers[self.stage_layers.start].self_attn.num_kv_heads
-        init_lm_head(self, hf_config, ctx)
+        self.init_lm_head(hf_config, ctx, tie_by_default=True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) * self.logit_scale

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from engine.model_executor.layers.activation import get_act_and_mul
-from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
+from engine.model_executor.layers.embedding import VocabEmbedding
 from engine.model_executor.layers.linear import MergedLinear, RowParallelLinear
 from engine.model_executor.layers.norm import GemmaRMSNorm
 from engine.model_executor.layers.rotary import (
@@ -247,24 +247,6 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-def init_lm_head(model: LlamaForCausalLM, hf_config: Any, ctx: ModelInitContext) -> None:
-    """``model.lm_head`` and ``model.head_reads_embedding`` as LlamaForCausalLM sets them
-    (for its ``load_weights``): a tied head on a stage without the embedding loads the
-    embedding's tensor itself."""
-    model.lm_head = PPMissingLayer()
-    model.head_reads_embedding = False
-    if ctx.is_last_stage:
-        model.lm_head = LMHead(
-            hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
-            device=ctx.device, tp=ctx.tp,
-        )
-        if getattr(hf_config, "tie_word_embeddings", True):
-            if ctx.is_first_stage:
-                model.lm_head.tie_to(model.model.embed_tokens)
-            else:
-                model.head_reads_embedding = True
-
-
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma (1); the base of Gemma 2 and 3 (override ``gemma_options``).
 
@@ -295,7 +277,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.num_layers = len(self.stage_layers)
         first = self.model.layers[self.stage_layers.start]
         self.num_kv_heads = first.self_attn.num_kv_heads
-        init_lm_head(self, hf_config, ctx)
+        self.init_lm_head(hf_config, ctx, tie_by_default=True)
 
     @classmethod
     def gemma_options(cls, hf_config: Any) -> GemmaOptions:

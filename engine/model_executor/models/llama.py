@@ -313,15 +313,21 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = len(self.stage_layers)  # this rank's (its KV caches)
         first = self.model.layers[self.stage_layers.start]
         self.num_kv_heads = first.self_attn.num_kv_heads  # this rank's
+        self.init_lm_head(hf_config, ctx)
+
+    def init_lm_head(self, hf_config: Any, ctx: ModelInitContext,
+                     tie_by_default: bool = False) -> None:
+        """``lm_head`` on the last stage (tied to the embedding when the config says so,
+        ``tie_by_default`` when it is silent); a tied head on a stage without the
+        embedding loads the embedding's tensor itself (``head_reads_embedding``)."""
         self.lm_head: nn.Module = PPMissingLayer()
-        # A tied head on a stage without the embedding loads the embedding's tensor.
         self.head_reads_embedding = False
         if ctx.is_last_stage:
             self.lm_head = LMHead(
                 hf_config.vocab_size, hf_config.hidden_size, **ctx.matrix_dtypes,
                 device=ctx.device, tp=ctx.tp,
             )
-            if getattr(hf_config, "tie_word_embeddings", False):
+            if getattr(hf_config, "tie_word_embeddings", tie_by_default):
                 if ctx.is_first_stage:
                     self.lm_head.tie_to(self.model.embed_tokens)
                 else:
