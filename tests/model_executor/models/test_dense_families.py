@@ -133,16 +133,20 @@ def test_longrope_table_matches_transformers(model_dir_factory):
     torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=0)
 
 
-def test_prefix_cache_chunked_prefill_and_preemption(model_dir_factory):
-    """Phi-3 (LongRoPE crossing position 32) with a shared two-block prefix, a 16-token
-    step budget (prompts are prefilled in chunks) and a pool too small for the batch:
-    outputs still equal transformers'."""
-    path = model_dir_factory("phi3-longrope")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefix_cache_chunked_prefill_and_preemption(model_dir_factory, variant):
+    """Each family (Phi-3: LongRoPE crossing position 32) with a shared two-block prefix,
+    a 16-token step budget (prompts are prefilled in chunks) and a pool too small for the
+    batch: outputs still equal transformers'."""
+    path = model_dir_factory(variant)
     hf = load_hf_model(path)
     prefix = _prompts(hf.config.vocab_size, [16], seed=3)[0]
     tails = _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)
     prompts = [prefix + t for t in tails]
-    engine = {**ENGINE, "num_gpu_blocks_override": 10, "max_model_len": 64,
+    # The smallest pool one sequence fits (SmolLM3's sliding and full layers make
+    # one-layer KV cache groups, each with its own table).
+    blocks = 21 if variant == "smollm3" else 10
+    engine = {**ENGINE, "num_gpu_blocks_override": blocks, "max_model_len": 64,
               "max_num_batched_tokens": 16,
               "enable_chunked_prefill": True, "enable_prefix_caching": True}
     with LLM(str(path), **engine) as llm:
