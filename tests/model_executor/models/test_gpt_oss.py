@@ -123,6 +123,26 @@ def test_gpt_oss_matches_transformers(gpt_oss_dir):
     _assert_matches_transformers(gpt_oss_dir, hf)
 
 
+def test_gpt_oss_prefix_cache_chunked_prefill_and_preemption(gpt_oss_dir):
+    """A shared three-block prefix, 16-token prefill chunks across the window and the
+    smallest pool one sequence fits (two KV cache groups: full, sliding): prefix hits and
+    preemptions happen, and the tokens are still transformers'."""
+    hf = _hf(gpt_oss_dir)
+    prefix = _prompts(hf.config.vocab_size, [24], seed=3)[0]
+    prompts = [prefix + t for t in _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)]
+    engine = {**ENGINE, "num_gpu_blocks_override": 13, "max_model_len": 64,
+              "max_num_batched_tokens": 16, "enable_chunked_prefill": True}
+    with LLM(str(gpt_oss_dir), **engine) as llm:
+        first = llm.generate({"prompt_token_ids": prompts[0]}, _greedy(), use_tqdm=False)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], _greedy(),
+                            use_tqdm=False)
+        assert llm.llm_engine.client.core.scheduler.num_preemptions_total > 0
+    assert max(o.num_cached_tokens for o in rest) >= 16
+    for prompt, out in zip(prompts, first + rest):
+        want = _hf_greedy(hf, prompt, MAX_TOKENS)
+        assert_greedy_equivalent(hf, prompt, list(out.outputs[0].token_ids), want)
+
+
 def test_gpt_oss_on_the_triton_attention_backend_matches_transformers(gpt_oss_dir):
     """The GPU plugins' attention kernels (interpreted) with sinks and the window."""
     _assert_matches_transformers(gpt_oss_dir, _hf(gpt_oss_dir), attention_backend="triton")
