@@ -163,11 +163,17 @@ def test_greedy_matches_transformers(tiny_models, name):
     path = tiny_models(name)
     hf = load_hf_model(path)
     # Forced: some of these architectures may gain a native class; the backend is tested.
-    with LLM(str(path), **BACKEND) as llm:
+    # 16-token steps: the long prompt is prefilled in chunks across every window; then a
+    # prompt sharing its first 32 tokens is served from the prefix cache.
+    with LLM(str(path), **BACKEND, max_num_batched_tokens=16) as llm:
         model = _model(llm)
         assert type(model).__name__ == "TransformersForCausalLM"
         assert model.hf_class_name == type(hf).__name__
-        _check_against_hf(llm, hf, _prompts(hf.config.vocab_size, PROMPT_LENGTHS, seed=3))
+        prompts = _prompts(hf.config.vocab_size, PROMPT_LENGTHS, seed=3)
+        _check_against_hf(llm, hf, prompts)
+        shared = prompts[-1][:32] + _prompts(hf.config.vocab_size, [3], seed=4)[0]
+        (hit,) = _check_against_hf(llm, hf, [shared])
+        assert hit.num_cached_tokens >= 24, hit.num_cached_tokens
     replaced = [m for m in model.modules() if type(m).__name__ == "EngineExperts"]
     assert bool(replaced) == (name in FUSED_MOE)
     if name not in KEEPS_HF_PROJECTIONS:
@@ -222,8 +228,12 @@ def test_llama_through_transformers_equals_native(tmp_path, caplog):
         assert model.hf_class_name == "LlamaForCausalLM"
         from engine.model_executor.models.transformers_backend.norm import HFRMSNorm
 
-        # Two norms per layer and the final one run on the engine's RMSNorm kernel.
+        from engine.model_executor.models.transformers_backend.mlp import FusedGatedMLP
+
+        # Two norms per layer and the final one run on the engine's RMSNorm kernel, each
+        # layer's MLP as one gate/up GEMM and the fused activation.
         assert sum(isinstance(m, HFRMSNorm) for m in model.modules()) == 2 * 2 + 1
+        assert sum(isinstance(m, FusedGatedMLP) for m in model.modules()) == 2
         info = llm.llm_engine.client.core.executor.runtime_info()
         assert info["model_impl"] == "transformers (LlamaForCausalLM)"
         assert "model implementation transformers (LlamaForCausalLM)" in caplog.text
@@ -405,8 +415,12 @@ def test_quantized_checkpoint_through_the_backend(fixture):
         assert model.hf_class_name == "LlamaForCausalLM"
         from engine.model_executor.models.transformers_backend.norm import HFRMSNorm
 
-        # Two norms per layer and the final one run on the engine's RMSNorm kernel.
+        from engine.model_executor.models.transformers_backend.mlp import FusedGatedMLP
+
+        # Two norms per layer and the final one run on the engine's RMSNorm kernel, each
+        # layer's MLP as one gate/up GEMM and the fused activation.
         assert sum(isinstance(m, HFRMSNorm) for m in model.modules()) == 2 * 2 + 1
+        assert sum(isinstance(m, FusedGatedMLP) for m in model.modules()) == 2
         methods = {type(m.quant_method).__name__ for m in model.modules()
                    if hasattr(m, "quant_method")}
         assert methods - {"UnquantizedLinearMethod"}, methods

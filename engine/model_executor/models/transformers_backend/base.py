@@ -12,7 +12,8 @@ layers where they matter for speed and parallelism:
 - ``nn.Linear`` -> the engine's replicated / column / row parallel linears (:mod:`.linear`),
   the input embedding and the LM head -> ``VocabEmbedding`` / ``LMHead``;
 - fused MoE experts -> the platform's fused-MoE kernel (:mod:`.moe`);
-- Llama-style RMSNorms -> the engine's RMSNorm on the platform's kernel (:mod:`.norm`).
+- Llama-style RMSNorms -> the engine's RMSNorm on the platform's kernel (:mod:`.norm`);
+- Llama-style gated MLPs -> one gate/up GEMM and the fused activation (:mod:`.mlp`).
 
 Everything else (other norms, rotary embeddings, activations, residual wiring) is
 transformers' code, run on a flat token batch as one sequence of batch size 1.
@@ -167,11 +168,13 @@ class TransformersForCausalLM(nn.Module):
 
     def _replace_layers(self, head: nn.Module, tp_size: int) -> None:
         ctx = self.ctx
+        from engine.model_executor.models.transformers_backend.mlp import replace_mlps
         from engine.model_executor.models.transformers_backend.moe import replace_experts
         from engine.model_executor.models.transformers_backend.norm import replace_rms_norms
 
         replace_experts(self, ctx)
         replace_rms_norms(self, ctx)
+        replace_mlps(self, ctx, self.tp_plan, self.base_prefix)
         embedding = self.base_model.get_input_embeddings()
         for name, module in list(self.named_modules()):
             if type(module) is nn.Linear:
@@ -348,8 +351,8 @@ class TransformersForCausalLM(nn.Module):
         for name, tensor in weights:
             if renamings:
                 name = apply_renamings(name, renamings)
-            if name not in self._param_names and not name.startswith(self.base_prefix + ".") \
-                    and f"{self.base_prefix}.{name}" in self._param_names:
+            if not self._known(name) and not name.startswith(self.base_prefix + ".") \
+                    and self._known(f"{self.base_prefix}.{name}"):
                 name = f"{self.base_prefix}.{name}"  # a base-model checkpoint
             if self.tied and name == head_weight:
                 continue
@@ -369,12 +372,18 @@ class TransformersForCausalLM(nn.Module):
             yield name, tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from engine.model_executor.models.transformers_backend.mlp import fused_mlp_name_mapper
         from engine.model_executor.models.transformers_backend.moe import expert_name_mapper
 
         self._param_names = {n for n, _ in self.named_parameters()}
-        loaded = load_named_weights(self, self._checkpoint_names(weights),
-                                    name_mapper=expert_name_mapper(self))
-        return loaded
+        experts, mlps = expert_name_mapper(self), fused_mlp_name_mapper(self)
+        self._name_mapper = lambda name: experts(name) or mlps(name)
+        return load_named_weights(self, self._checkpoint_names(weights),
+                                  name_mapper=self._name_mapper)
+
+    def _known(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` has a parameter here (mapped or not)."""
+        return name in self._param_names or self._name_mapper(name) is not None
 
 
 _ATTENTION_TAKES_CHUNK = "attention_chunk_size" in inspect.signature(Attention).parameters
