@@ -62,6 +62,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     return out.flatten(-2).to(dtype)
 
 
+def dequantizer_for(device: torch.device) -> Any:
+    """The dequantization that runs where the checkpoint tensors sit: the Triton kernel
+    (engine.kernels.mxfp4) on an accelerator, the vectorized torch one on the host."""
+    if torch.device(device).type == "cpu":
+        return dequantize_mxfp4
+    from engine.kernels.mxfp4 import mxfp4_dequantize
+
+    return mxfp4_dequantize
+
+
 class Mxfp4ExpertsMethod:
     """Registers a MoE layer's ``{P}_blocks`` / ``{P}_scales`` checkpoint tensors and
     turns them into dense expert weights after loading (see the module docstring)."""
@@ -90,7 +100,7 @@ class Mxfp4ExpertsMethod:
         """The dense ``[E, rows, in]`` weight of ``name``; drops its checkpoint tensors."""
         blocks, scales = getattr(layer, f"{name}_blocks"), getattr(layer, f"{name}_scales")
         try:
-            dense = dequantize_mxfp4(blocks.detach(), scales.detach(), dtype)
+            dense = dequantizer_for(blocks.device)(blocks.detach(), scales.detach(), dtype)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         delattr(layer, f"{name}_blocks")

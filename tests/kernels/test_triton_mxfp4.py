@@ -41,3 +41,13 @@ def test_triton_dequant_rejects_bad_inputs():
         mxfp4_dequantize(blocks, scales[:, :1])
     with pytest.raises(ValueError, match="not torch.float64"):
         mxfp4_dequantize(blocks, scales, torch.float64)
+
+
+def test_checkpoint_dequantizer_follows_the_device():
+    """Expert tensors loaded onto an accelerator dequantize with this Triton kernel; on
+    the host with the vectorized torch one."""
+    from engine.quantization.mxfp4 import dequantizer_for
+
+    assert dequantizer_for(torch.device("cpu")) is dequantize_mxfp4
+    assert dequantizer_for(torch.device("cuda", 0)) is mxfp4_dequantize
+    assert dequantizer_for(torch.device("xpu")) is mxfp4_dequantize
