@@ -125,16 +125,17 @@ def test_the_comparison_sees_window_and_soft_caps(gemma_dir, variant):
         assert moved(attn_logit_softcapping=None) == 0.0
 
 
-def check_prefix_cache_chunked_prefill_and_preemption(path: Path) -> None:
+def check_prefix_cache_chunked_prefill_and_preemption(path: Path, num_blocks: int = 17
+                                                      ) -> None:
     """A shared three-block prefix, a 16-token step budget (prompts are prefilled in
     chunks, across the window) and a pool too small for the batch (requests are preempted
-    and recomputed; 17 blocks: every KV cache group's table counts): outputs still equal
-    transformers'."""
+    and recomputed; ``num_blocks``: the smallest pool one sequence fits, every KV cache
+    group's table counting): outputs still equal transformers'."""
     hf = load_hf_model(path)
     prefix = _prompts(hf.config.vocab_size, [24], seed=3)[0]
     tails = _prompts(hf.config.vocab_size, [6, 9, 12, 14], seed=4)
     prompts = [prefix + t for t in tails]
-    engine = {**ENGINE, "num_gpu_blocks_override": 17, "max_model_len": 64,
+    engine = {**ENGINE, "num_gpu_blocks_override": num_blocks, "max_model_len": 64,
               "max_num_batched_tokens": 16,
               "enable_chunked_prefill": True, "enable_prefix_caching": True}
     with LLM(str(path), **engine) as llm:
@@ -149,8 +150,10 @@ def check_prefix_cache_chunked_prefill_and_preemption(path: Path) -> None:
         assert_matches_transformers(hf, prompt, out.outputs[0])
 
 
-def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir):
-    check_prefix_cache_chunked_prefill_and_preemption(gemma_dir("gemma3"))
+@pytest.mark.parametrize(("variant", "num_blocks"), [("gemma", 9), ("gemma2", 17),
+                                                     ("gemma3", 17)])
+def test_prefix_cache_chunked_prefill_and_preemption(gemma_dir, variant, num_blocks):
+    check_prefix_cache_chunked_prefill_and_preemption(gemma_dir(variant), num_blocks)
 
 
 @pytest.mark.parametrize(("variant", "parallel"),
