@@ -44,6 +44,9 @@ class ModelConfig(BaseModel):
     generation_config: str = "auto"
     # Run every step eagerly: no forward graphs (CUDA graphs / CPU call tables).
     enforce_eager: bool = False
+    # vLLM's --enable-sleep-mode: LLM.sleep / wake_up (and the server's /sleep routes)
+    # may free the KV cache and the weights (engine.core.engine_core.EngineCore.sleep).
+    enable_sleep_mode: bool = False
     # vLLM's --quantization: None follows the checkpoint (engine.quantization).
     quantization: str | None = None
     # vLLM's --hf-overrides: keys set on the HF config before the architecture resolves

@@ -78,6 +78,12 @@ class EngineCoreProc:
         self._utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self._get_stats,
             "reset_prefix_cache": self.core.reset_prefix_cache,
+            "sleep": self.core.sleep,
+            "wake_up": self.core.wake_up,
+            "is_sleeping": self.core.is_sleeping,
+            "pause_scheduling": self.core.pause_scheduling,
+            "abort_all_requests": self.core.abort_all_requests,
+            "resume_scheduling": self.core.resume_scheduling,
             "ping": lambda: True,
             "shutdown": self._request_shutdown,
         }

@@ -85,6 +85,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free the KV cache and weights
     quantization: str | None = None  # None: the checkpoint's; vLLM's names
     # vLLM's --speculative-config: a dict or its JSON text (engine.spec_decode.config).
     speculative_config: dict[str, Any] | str | None = None
@@ -188,6 +189,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 generation_config=self.generation_config,
                 enforce_eager=self.enforce_eager,
+                enable_sleep_mode=self.enable_sleep_mode,
                 quantization=self.quantization,
                 hf_overrides=hf_overrides,
                 model_impl=self.model_impl,

@@ -64,6 +64,13 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque = deque()
         self.max_batches_in_flight = 0  # the deepest the queue got (stage utilisation)
+        # Sleep mode: what sleeps ("weights", "kv_cache"), and at which level.
+        self.sleeping_tags: set[str] = set()
+        self.sleep_level = 0
+        # pause_generation(mode="keep"): requests stay where they are, no step runs.
+        self.scheduling_paused = False
+        # Requests the core aborted itself (abort_all_requests): reported by the next step.
+        self._aborted_outputs: list[EngineCoreOutput] = []
         self.scheduler.register_ready_check(
             RequestStatus.WAITING_FOR_GRAMMAR, self.structured_output_manager.is_ready
         )
@@ -74,6 +81,8 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleeping_tags:
+            raise ValueError("the engine is sleeping: call wake_up() before sending requests")
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -100,6 +109,10 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one step; returns what every touched request produced."""
         failed = self._finish_failed_grammars()
+        if self._aborted_outputs:
+            failed, self._aborted_outputs = self._aborted_outputs + failed, []
+        if self.scheduling_paused:
+            return self._paused_step(failed)
         if self.batch_queue_size > 1:
             return self._step_with_batch_queue(failed)
         if not self.scheduler.has_unfinished_requests():
@@ -167,7 +180,90 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step has work (False while scheduling is paused: nothing runs)."""
+        if self._aborted_outputs:
+            return True
+        if self.scheduling_paused:
+            return bool(self.batch_queue)
         return self.scheduler.has_unfinished_requests()
+
+    def abort_all_requests(self) -> int:
+        """Abort every unfinished request (``pause_generation(mode="abort")``); the next
+        step reports each with finish reason "abort". Returns how many."""
+        ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished]
+        if ids:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs += [
+                EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                 finish_reason=int(FinishReason.ABORT)) for rid in ids]
+        return len(ids)
+
+    # -- sleep mode and pausing (RL training loops) ---------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache on every rank (level 1: the weights move to host memory;
+        level 2: they are dropped and reloaded from the model directory on wake-up).
+
+        Refused unless sleep mode is enabled and no request is unfinished (abort them or
+        ``pause_generation(mode="abort")`` first); the prefix cache is reset, since the
+        cached blocks' contents are gone, so the block pool is all free blocks again."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled: start the engine with "
+                             "enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        if self.sleeping_tags:
+            raise ValueError(f"the engine is already sleeping (level {self.sleep_level}); "
+                             "call wake_up() first")
+        if self.scheduler.has_unfinished_requests() or self.batch_queue:
+            raise ValueError(
+                f"cannot sleep while {self.scheduler.get_num_unfinished_requests()} "
+                "requests are unfinished: wait for them, abort them or "
+                "pause_generation(mode='abort') first")
+        if self.kv_connector is not None:
+            raise ValueError("sleep mode cannot be combined with a KV connector yet")
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("cannot sleep: KV blocks are still held by requests")
+        self.executor.sleep(level)
+        self.sleep_level = level
+        self.sleeping_tags = {"weights", "kv_cache"}
+        gc.collect()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both) on every rank. Waking
+        the weights first lets a trainer update them before the KV cache takes memory."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' "
+                             "and/or 'kv_cache'")
+        if not wanted & self.sleeping_tags:
+            return
+        if (self.sleep_level == 2 and "kv_cache" in wanted and "weights" not in wanted
+                and "weights" in self.sleeping_tags):
+            raise ValueError("after a level-2 sleep wake the weights before the KV cache "
+                             "(wake_up(tags=['weights']) first)")
+        self.executor.wake_up(sorted(wanted & self.sleeping_tags, reverse=True))
+        self.sleeping_tags -= wanted
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    def pause_scheduling(self) -> None:
+        """Freeze every request where it is (``pause_generation(mode="keep")``)."""
+        self.scheduling_paused = True
+
+    def resume_scheduling(self) -> None:
+        self.scheduling_paused = False
+
+    def _paused_step(self, failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """While paused: only steps already in flight (pipeline stages) complete."""
+        outputs = list(failed)
+        if self.batch_queue:
+            future, so = self.batch_queue.popleft()
+            outputs += self.scheduler.update_from_output(so, future.result())
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -11,3 +11,8 @@ class EngineDeadError(RuntimeError):
 class EngineStartupError(RuntimeError):
     """The engine core process failed before it was ready (e.g. the model would not
     load); the message carries the child's own error text."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is in sleep mode (its KV cache, maybe its weights, are freed): wake it
+    up before sending requests. The server answers 503."""

@@ -32,6 +32,18 @@ class EngineCoreClient(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def pause_scheduling(self) -> None: ...
+
+    def abort_all_requests(self) -> int: ...
+
+    def resume_scheduling(self) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -54,6 +66,24 @@ class InprocClient:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def pause_scheduling(self) -> None:
+        self.core.pause_scheduling()
+
+    def abort_all_requests(self) -> int:
+        return self.core.abort_all_requests()
+
+    def resume_scheduling(self) -> None:
+        self.core.resume_scheduling()
 
     def shutdown(self) -> None:
         self.core.shutdown()

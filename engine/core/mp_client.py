@@ -283,6 +283,24 @@ class SyncMPClient:
     def reset_prefix_cache(self) -> bool:
         return bool(self.call_utility("reset_prefix_cache"))
 
+    def sleep(self, level: int = 1) -> None:
+        self.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call_utility("is_sleeping"))
+
+    def pause_scheduling(self) -> None:
+        self.call_utility("pause_scheduling")
+
+    def abort_all_requests(self) -> int:
+        return int(self.call_utility("abort_all_requests"))
+
+    def resume_scheduling(self) -> None:
+        self.call_utility("resume_scheduling")
+
     def _receive_once(self) -> None:
         """Wait up to POLL_S for one message; raise EngineDeadError if the core died."""
         sock = self.proc.output_socket
@@ -374,6 +392,21 @@ class AsyncMPClient:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call_utility("reset_prefix_cache"))
 
+    async def sleep(self, level: int = 1) -> None:
+        await self.call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call_utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.call_utility("is_sleeping"))
+
+    async def pause_scheduling(self) -> None:
+        await self.call_utility("pause_scheduling")
+
+    async def resume_scheduling(self) -> None:
+        await self.call_utility("resume_scheduling")
+
     # -- the reader -------------------------------------------------------------------------
     def _ensure_reader(self) -> None:
         """Start the reader in the running loop (again, if the caller moved to a new loop)."""
@@ -445,7 +478,15 @@ class AsyncMPClient:
             sock._clear_io_state()  # what zmq.asyncio's close() does, minus closing
 
 
+class UtilityRefusedError(RuntimeError, ValueError):
+    """A utility call the core refused as invalid (a ValueError there): the caller's
+    mistake, e.g. sleeping while requests run; a RuntimeError like any failed call."""
+
+
 def _unwrap(result: wire.UtilityResult, method: str) -> Any:
     if result.error is not None:
+        if result.error.startswith("ValueError: "):  # a refused call, not a failure
+            raise UtilityRefusedError(f"engine core utility {method!r} refused: "
+                                      + result.error.removeprefix("ValueError: "))
         raise RuntimeError(f"engine core utility {method!r} failed: {result.error}")
     return result.result

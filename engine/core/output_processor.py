@@ -389,6 +389,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests being tracked (unfinished)."""
+        return list(self._requests)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 

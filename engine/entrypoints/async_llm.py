@@ -28,7 +28,7 @@ from engine.core.beam_search import BeamSearchInstance, BeamSearchParams, eos_id
 from engine.core.config import EngineConfig
 from engine.core.core_protocol import EngineCoreStats, describe_exception
 from engine.core.engine_args import EngineArgs
-from engine.core.errors import EngineDeadError
+from engine.core.errors import EngineDeadError, EngineSleepingError
 from engine.core.llm_engine import build_processor
 from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
 from engine.core.output_collector import RequestOutputCollector
@@ -60,6 +60,9 @@ class AsyncLLM:
         self._handler_loop: asyncio.AbstractEventLoop | None = None
         self._error: EngineDeadError | None = None
         self._closed = False
+        # Sleep mode and pause_generation (RL training loops).
+        self.sleeping = False
+        self.paused = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -122,6 +125,7 @@ class AsyncLLM:
         loop early (or cancelling the task) aborts the request in the core.
         """
         self._ensure_output_handler()
+        await self._admit()
         processed = self.processor.process(
             request_id,
             prompt,
@@ -219,6 +223,7 @@ class AsyncLLM:
             raise ValueError(f"{task} needs a pooling model; this engine generates text "
                              "(start it with --runner pooling)")
         self._ensure_output_handler()
+        await self._admit()
         processed = pooling.process(request_id, prompt, pooling_params, task,
                                     text_pair=text_pair, prompt_name=prompt_name,
                                     priority=priority)
@@ -259,6 +264,60 @@ class AsyncLLM:
         """Drop all cached prefix blocks; False while requests hold blocks."""
         self._check_usable()
         return await self.client.reset_prefix_cache()
+
+    # -- sleep mode and pausing (RL training loops) ---------------------------------------
+    async def _admit(self) -> None:
+        """A new request waits while generation is paused and is refused while asleep."""
+        while self.paused:
+            await asyncio.sleep(0.01)
+        if self.sleeping:
+            raise EngineSleepingError("the engine is sleeping: wake it up (POST /wake_up) "
+                                      "before sending requests")
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2) on every rank; see
+        ``EngineCore.sleep`` (refused unless sleep mode is on and nothing is running)."""
+        self._check_usable()
+        await self.client.sleep(level)
+        self.sleeping = True
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both)."""
+        self._check_usable()
+        await self.client.wake_up(tags)
+        self.sleeping = await self.client.is_sleeping()
+
+    async def is_sleeping(self) -> bool:
+        self._check_usable()
+        self.sleeping = await self.client.is_sleeping()
+        return self.sleeping
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating (vLLM's modes for the requests in flight): ``"abort"`` aborts
+        them (finish reason "abort"), ``"wait"`` returns once they have completed,
+        ``"keep"`` freezes them in the scheduler until :meth:`resume_generation`. New
+        requests wait until then. ``clear_cache`` resets the prefix cache once no
+        request holds blocks (not with ``"keep"``)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', not {mode!r}")
+        self._check_usable()
+        self.paused = True
+        if mode == "abort":
+            self._abort_nowait(self.output_processor.request_ids())
+        elif mode == "keep":
+            await self.client.pause_scheduling()
+            return
+        while self.output_processor.has_unfinished_requests():
+            self._check_usable()
+            await asyncio.sleep(0.005)
+        if clear_cache:
+            await self.client.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation`: kept requests continue, waiting ones start."""
+        self._check_usable()
+        await self.client.resume_scheduling()
+        self.paused = False
 
     # -- the output handler -----------------------------------------------------------------
     def _ensure_output_handler(self) -> None:
@@ -328,6 +387,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine has been shut down")
         self.client = client
         self._error = None
+        self.sleeping = self.paused = False  # the new core is awake and scheduling
         self.num_core_restarts += 1
         logger.info(
             "engine core restarted in %.1f s (pid %d)", time.monotonic() - started, self.core_pid

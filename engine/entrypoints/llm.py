@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +47,12 @@ class LLM(PoolingAPI):
         )
         if note := self.sampling_defaults.describe():
             logger.info("%s (used when generate/chat get no sampling params)", note)
+        # pause_generation / resume_generation, possibly from another thread than the
+        # one running generate(): the lock serialises steps with pausing and aborting.
+        self._engine_lock = threading.RLock()
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self._paused_by: int | None = None
 
     def shutdown(self) -> None:
         """Stop the engine: its worker processes (tensor / pipeline ranks) exit and
@@ -107,14 +115,17 @@ class LLM(PoolingAPI):
         requests already added are aborted, so none is left holding KV blocks."""
         engine = self.llm_engine
         request_ids: list[str] = []
+        self._wait_until_resumed()
         try:
-            for i in range(count):
-                request_id = engine.next_request_id()
-                submit(i, request_id)
-                request_ids.append(request_id)
+            with self._engine_lock:
+                for i in range(count):
+                    request_id = engine.next_request_id()
+                    request_ids.append(request_id)  # first: a failed submit is aborted too
+                    submit(i, request_id)
             return self._run_to_completion(request_ids, use_tqdm)
         except BaseException:
-            engine.abort_request(request_ids)
+            with self._engine_lock:
+                engine.abort_request(request_ids)
             raise
 
     def chat(
@@ -190,6 +201,68 @@ class LLM(PoolingAPI):
         """Drop every cached prefix block (False while blocks are still in use)."""
         return self.llm_engine.client.reset_prefix_cache()
 
+    # -- sleep mode and pausing (RL training loops) ---------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (and the forward graphs over it) on every rank, e.g. while
+        a trainer shares the device. Level 1 keeps the weights in host memory; level 2
+        drops them (:meth:`wake_up` reloads them from the model directory). Needs
+        ``enable_sleep_mode=True`` and no unfinished request; resets the prefix cache."""
+        with self._engine_lock:
+            self.llm_engine.client.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags``: "weights", "kv_cache", or both (None). Waking the
+        weights first leaves room to update them before the KV cache is allocated."""
+        with self._engine_lock:
+            self.llm_engine.client.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.client.is_sleeping()
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating, e.g. for a weight update, with vLLM's modes for the requests
+        in flight (a ``generate`` running in another thread):
+
+        - ``"abort"``: abort them now (they finish with finish_reason "abort");
+        - ``"wait"``: let them run to completion, then return;
+        - ``"keep"``: freeze them where they are; they continue on resume.
+
+        New ``generate`` calls from other threads wait until :meth:`resume_generation`
+        (from the pausing thread itself they raise, as nothing could resume them).
+        ``clear_cache`` resets the prefix cache once nothing holds blocks."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', not {mode!r}")
+        engine = self.llm_engine
+        with self._engine_lock:
+            self._resumed.clear()
+            self._paused_by = threading.get_ident()
+            if mode == "abort":
+                engine.client.abort_all_requests()
+            elif mode == "keep":
+                engine.client.pause_scheduling()
+        if mode != "keep":
+            while engine.has_unfinished_requests():  # generate() (elsewhere) drains them
+                time.sleep(0.005)
+            if clear_cache:
+                self.reset_prefix_cache()
+
+    def resume_generation(self) -> None:
+        """Undo :meth:`pause_generation`: kept requests continue, held ones start."""
+        with self._engine_lock:
+            self.llm_engine.client.resume_scheduling()
+            self._paused_by = None
+            self._resumed.set()
+
+    def is_paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def _wait_until_resumed(self) -> None:
+        if self._resumed.is_set():
+            return
+        if self._paused_by == threading.get_ident():
+            raise RuntimeError("generation is paused: call resume_generation() first")
+        self._resumed.wait()
+
     def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
         """Draft and accepted token counts since the previous call (None when speculative
         decoding is off): call once before the rounds to measure, once after."""
@@ -202,7 +275,11 @@ class LLM(PoolingAPI):
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                with self._engine_lock:
+                    outputs = engine.step()
+                if not outputs and not self._resumed.is_set():
+                    self._resumed.wait(0.01)  # paused with mode "keep": nothing runs
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         if bar is not None:

@@ -69,6 +69,18 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise :class:`WorkerFailedError` when a rank is dead or unresponsive."""
 
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache (and, level 2, its weights): ``Worker.sleep``."""
+        self.collective_rpc("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every rank brings back ``tags`` (None: weights and KV cache)."""
+        self.collective_rpc("wake_up", tags)
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.method(*args)`` on every rank; the results in rank order."""
+
     def shutdown(self) -> None:
         """Stop the workers and free their ports and memory (idempotent)."""
 
@@ -146,6 +158,9 @@ class UniProcExecutor(Executor):
 
     def runtime_info(self) -> dict[str, Any]:
         return self.worker.runtime_info()
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -214,6 +214,22 @@ class ModelRunner:
                 layer_groups=self._layer_groups,
             )
 
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache (sleep mode) and the forward graphs that point into it; a
+        later :meth:`allocate_kv_cache` allocates anew and captures again. Only while no
+        request is in the batch."""
+        from engine.core.interfaces.attention import AttentionImpl
+
+        self.decode_graphs = None
+        self.kv_caches = []
+        if self.proposer is not None:
+            self.proposer.free_kv_cache()
+        models = [self.model, getattr(self.proposer, "model", None)]
+        for module in (m for model in models if model is not None for m in model.modules()):
+            impl = getattr(module, "impl", None)
+            if isinstance(impl, AttentionImpl):
+                impl.release_kv_cache()
+
     def _kv_layout(self, spec: KVCacheSpec, num_blocks: int) -> Any:
         from engine.core.interfaces.kv_connector import KVCacheLayout
 

@@ -9,6 +9,7 @@ ranks), then ``execute_model`` once per step.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -246,6 +247,83 @@ class Worker:
     ) -> ModelRunnerOutput:
         self.platform.before_step()
         return self.runner.execute_model(scheduler_output, grammar_bitmask)
+
+    # -- sleep mode (engine.core.engine_core.EngineCore.sleep) -------------------------------
+    sleeping: frozenset[str] = frozenset()  # what sleeps: "weights", "kv_cache"
+    sleep_level = 0
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and the forward graphs over it). Level 1 keeps the weights,
+        in host memory (a device copies them there; on the CPU they already are); level 2
+        drops them, and :meth:`wake_up` reloads them from the model directory."""
+        if self.sleeping:
+            raise RuntimeError("this worker is already asleep")
+        self.runner.free_kv_cache()
+        if level == 1:
+            self._offload_weights()
+        else:  # the runner, the model and a draft model go: wake_up builds them anew
+            self.runner = None
+            self.model = self.proposer = self.attn_backend = None
+        self.sleep_level, self.sleeping = level, frozenset(("weights", "kv_cache"))
+        gc.collect()
+        self.platform.release_cached_memory()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both): the weights first (a
+        level-2 sleeper needs them before its KV cache)."""
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if "weights" in wanted and "weights" in self.sleeping:
+            if self.sleep_level == 1:
+                self._restore_weights()
+            else:
+                self._reload_weights()
+            self.sleeping -= {"weights"}
+        if "kv_cache" in wanted and "kv_cache" in self.sleeping:
+            if self.runner is None:
+                if self.model is None:
+                    raise RuntimeError("wake the weights before the KV cache after a level-2 "
+                                       "sleep (wake_up(tags=['weights']) first)")
+                self.initialize_cache(self.num_blocks)  # a new runner, a new KV cache
+            else:
+                self.runner.allocate_kv_cache(self.kv_spec, self.num_blocks)
+            self.sleeping -= {"kv_cache"}
+        if not self.sleeping:
+            self.sleep_level = 0
+
+    def _sleep_modules(self) -> list[torch.nn.Module]:
+        draft = getattr(self.proposer, "model", None)
+        return [self.model] + ([draft] if draft is not None else [])
+
+    def _offload_weights(self) -> None:
+        """Level 1 on a device: every parameter and buffer copied to host memory and its
+        device storage released (kernels' own derived tensors stay put)."""
+        self._host_weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.platform.device().type == "cpu":
+            return  # already in host memory
+        seen: set[int] = set()
+        for module in self._sleep_modules():
+            for tensor in (*module.parameters(), *module.buffers()):
+                if id(tensor) in seen or tensor.device.type == "cpu":
+                    continue
+                seen.add(id(tensor))
+                self._host_weights.append((tensor, tensor.data.to("cpu")))
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def _restore_weights(self) -> None:
+        device = self.platform.device()
+        for tensor, host in self._host_weights:
+            tensor.data = host.to(device)
+        self._host_weights = []
+
+    def _reload_weights(self) -> None:
+        """Level 2: the model (and a draft model) loaded again from the model directory."""
+        from engine.spec_decode.factory import build_proposer
+
+        config, platform = self.config, self.platform
+        dtype = getattr(torch, config.model.dtype)
+        self.model, self.attn_backend = load_platform_model(config, platform, self.parallel)
+        self.proposer = build_proposer(
+            config, platform, self.model, dtype, activation_dtype(config, platform, dtype))
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -95,6 +95,12 @@ class TorchCudaApiPlatform(Platform):
 
         torch.cuda.synchronize()
 
+    def release_cached_memory(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device())
+        torch.cuda.empty_cache()
+
     def attention_backends(self) -> list[type[AttentionBackend]]:
         from engine.kernels.triton_backend import TritonAttentionBackend
 

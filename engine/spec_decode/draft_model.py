@@ -104,6 +104,10 @@ class ModelProposer(Proposer):
                 hidden_input=self.hidden_input,
             )
 
+    def free_kv_cache(self) -> None:
+        self.graphs = None
+        self.kv_caches = []
+
     @property
     def hidden_input(self) -> tuple[int, torch.dtype] | None:
         """(width, dtype) of the per-row hidden input its model takes besides token ids

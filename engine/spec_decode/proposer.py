@@ -85,6 +85,9 @@ class Proposer(ABC):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate its KV cache over the same ``num_blocks`` block ids as the target."""
 
+    def free_kv_cache(self) -> None:
+        """Drop its KV cache and anything pointing into it (sleep mode)."""
+
     def runtime_info(self) -> dict[str, object]:
         return {}
 

@@ -173,6 +173,10 @@ class AttentionImpl(ABC):
     def __init__(self, spec: AttentionLayerSpec) -> None:
         self.spec = spec
 
+    def release_kv_cache(self) -> None:
+        """Forget whatever this layer derived from its KV cache tensor (views, packed
+        handles): sleep mode frees the cache and a new one may come. Default: none kept."""
+
     @abstractmethod
     def forward(
         self,

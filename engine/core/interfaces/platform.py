@@ -133,6 +133,11 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on synchronous devices)."""
 
+    def release_cached_memory(self) -> None:
+        """Hand memory the process freed (tensors dropped by sleep mode) back to the
+        device or the OS: a caching allocator empties its cache here. Default: nothing
+        to do."""
+
     def make_generator(self, seed: int) -> "torch.Generator":
         import torch
 

@@ -86,6 +86,7 @@ from engine.entrypoints.openai.request_body import (  # noqa: F401 - re-exported
     parse_body,
     validation_error,
 )
+from engine.entrypoints.openai.rl_routes import SleepingMiddleware, add_rl_routes
 from engine.entrypoints.openai.serving_base import (
     GenerationLimitsMiddleware,
     ServerSettings,
@@ -207,6 +208,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     app.state.server_state = state
     # add_middleware wraps: the last added runs first, so the API key is checked before
     # any body is read, and only then does a request take a generation slot.
+    app.add_middleware(SleepingMiddleware, engine=engine)  # innermost: after the API key
     app.add_middleware(GenerationLimitsMiddleware, state=state)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
@@ -306,6 +308,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
         return JSONResponse(response.model_dump(mode="json"))
 
     add_pooling_routes(app, pooling, max_depth, _guard)
+    add_rl_routes(app, engine, _guard)
     install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS,
                     () if generates else POOLING_REQUEST_MODELS)
     return app

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse, StreamingResponse
 
 from engine.core.core_protocol import describe_exception
-from engine.core.errors import EngineDeadError
+from engine.core.errors import EngineDeadError, EngineSleepingError
 from engine.core.outputs import (
     CompletionOutput,
     Logprob,
@@ -402,6 +402,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead(exc)
+    if isinstance(exc, EngineSleepingError):
+        return APIError(503, str(exc))
     if isinstance(exc, ValueError):
         return from_value_error(exc)
     logger.error("request failed: %s", describe_exception(exc), exc_info=exc)

@@ -338,6 +338,9 @@ class CPUAttentionImpl(AttentionImpl):
         self.kernels = kernels if kernels and kernels.supports_attention(spec) else None
         self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, KeyLayout] | None = None
 
+    def release_kv_cache(self) -> None:
+        self._views = None
+
     def key_layout(self, dtype: torch.dtype) -> KeyLayout:
         """How this layer stores K rows in a cache of ``dtype``."""
         return self.kernels.key_layout(dtype) if self.kernels is not None else KeyLayout.PLAIN

@@ -43,3 +43,16 @@ def keep_freed_blocks_in_heap() -> bool:
     if not applied:
         logger.debug("mallopt refused the heap thresholds; keeping the C library's defaults")
     return applied
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the OS (glibc's ``malloc_trim``: the top of every
+    arena and, with ``madvise``, free pages inside them); False where it does not apply.
+    Sleep mode calls it after dropping the weights and caches."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))

@@ -235,6 +235,13 @@ class CPUPlatform(Platform):
 
     _governor = None
 
+    def release_cached_memory(self) -> None:
+        """The KV cache lives on its own memory maps (unmapped when its tensors go); the
+        heap keeps freed blocks (:mod:`engine.plugins.cpu.host_memory`): trim them."""
+        from engine.plugins.cpu.host_memory import trim_heap
+
+        trim_heap()
+
     def before_step(self) -> None:
         """The thread governor's turn (see :meth:`init_worker`)."""
         if self._governor is not None:

@@ -124,6 +124,12 @@ class XPUPlatform(Platform):
 
         torch.xpu.synchronize()
 
+    def release_cached_memory(self) -> None:
+        import torch
+
+        torch.xpu.synchronize()
+        torch.xpu.empty_cache()
+
     def attention_backends(self) -> list[type[AttentionBackend]]:
         from engine.kernels.triton_backend import TritonAttentionBackend
 
