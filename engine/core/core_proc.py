@@ -62,6 +62,10 @@ class ParentGone(BaseException):
 class EngineCoreProc:
     """Owns an EngineCore and the two sockets; runs the busy loop."""
 
+    # EngineCore methods a front end may call as utilities (looked up when called).
+    CORE_UTILITIES = ("reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
+                      "pause_scheduling", "abort_all_requests", "resume_scheduling")
+
     def __init__(
         self,
         core: EngineCore,
@@ -77,13 +81,6 @@ class EngineCoreProc:
         self._totals = wire.EngineCoreStats(num_kv_blocks=core.num_kv_blocks)
         self._utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self._get_stats,
-            "reset_prefix_cache": self.core.reset_prefix_cache,
-            "sleep": self.core.sleep,
-            "wake_up": self.core.wake_up,
-            "is_sleeping": self.core.is_sleeping,
-            "pause_scheduling": self.core.pause_scheduling,
-            "abort_all_requests": self.core.abort_all_requests,
-            "resume_scheduling": self.core.resume_scheduling,
             "ping": lambda: True,
             "shutdown": self._request_shutdown,
         }
@@ -143,8 +140,10 @@ class EngineCoreProc:
     # -- utility calls ----------------------------------------------------------------------
     def _call_utility(self, call: wire.UtilityCall) -> None:
         method = self._utilities.get(call.method)
+        if method is None and call.method in self.CORE_UTILITIES:
+            method = getattr(self.core, call.method)
         if method is None:
-            known = ", ".join(sorted(self._utilities))
+            known = ", ".join(sorted((*self._utilities, *self.CORE_UTILITIES)))
             reply = wire.UtilityResult(
                 call.call_id, error=f"ValueError: unknown utility {call.method!r} (known: {known})"
             )
