@@ -11,9 +11,7 @@ tensors load into the fused matrix as its two shards (:func:`fused_mlp_name_mapp
 
 from __future__ import annotations
 
-import inspect
 import re
-import textwrap
 from typing import Any
 
 import torch
@@ -22,26 +20,14 @@ from torch import nn
 from engine.model_executor.layers.activation import get_act_and_mul
 from engine.model_executor.layers.linear import MergedLinear, RowParallelLinear
 from engine.model_executor.models.transformers_backend.linear import tp_style
-
-_SAME_AS_LLAMA: dict[type, bool] = {}
-
-
-def _forward_source(cls: type) -> str:
-    try:
-        return textwrap.dedent(inspect.getsource(cls.forward))
-    except (OSError, TypeError):
-        return ""
+from engine.model_executor.models.transformers_backend.support import same_forward_as
 
 
 def is_llama_mlp(module: nn.Module) -> bool:
     """Whether ``module`` computes exactly ``LlamaMLP``'s forward over plain linears."""
-    cls = type(module)
-    if cls not in _SAME_AS_LLAMA:
-        from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP
 
-        reference = _forward_source(LlamaMLP)
-        _SAME_AS_LLAMA[cls] = bool(reference) and _forward_source(cls) == reference
-    if not _SAME_AS_LLAMA[cls]:
+    if not same_forward_as(module, LlamaMLP):
         return False
     gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if not all(type(m) is nn.Linear for m in (gate, up, down)):

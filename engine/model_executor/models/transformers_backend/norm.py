@@ -10,35 +10,21 @@ OLMo's weight-before-cast) keeps its own code.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
 from typing import Any
 
 import torch
 from torch import nn
 
 from engine.model_executor.layers.norm import RMSNorm
-
-_SAME_AS_LLAMA: dict[type, bool] = {}
-
-
-def _forward_source(cls: type) -> str:
-    try:
-        return textwrap.dedent(inspect.getsource(cls.forward))
-    except (OSError, TypeError):
-        return ""
+from engine.model_executor.models.transformers_backend.support import same_forward_as
 
 
 def is_llama_rms_norm(module: nn.Module) -> bool:
     """Whether ``module`` computes exactly ``LlamaRMSNorm``'s forward."""
-    cls = type(module)
-    if cls not in _SAME_AS_LLAMA:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-        reference = _forward_source(LlamaRMSNorm)
-        _SAME_AS_LLAMA[cls] = bool(reference) and _forward_source(cls) == reference
     weight = getattr(module, "weight", None)
-    return (_SAME_AS_LLAMA[cls] and isinstance(weight, nn.Parameter) and weight.dim() == 1
+    return (same_forward_as(module, LlamaRMSNorm) and isinstance(weight, nn.Parameter) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 

@@ -11,6 +11,8 @@ not attention (state-space / linear-attention layers), each with the reason.
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from typing import Any
 
 MODEL_IMPLS = ("auto", "engine", "transformers")
@@ -121,3 +123,23 @@ def implementation_of(model: Any) -> str:
     if getattr(model, "implementation", "engine") == BACKEND_NAME:
         return f"{BACKEND_NAME} ({getattr(model, 'hf_class_name', '?')})"
     return "engine"
+
+
+_SAME_FORWARD: dict[tuple[type, type], bool] = {}
+
+
+def _forward_source(cls: type) -> str:
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return ""
+
+
+def same_forward_as(module: Any, reference: type) -> bool:
+    """Whether ``module``'s class runs ``reference``'s forward, word for word (transformers'
+    families copy Llama's modules verbatim; a variant differs in its source)."""
+    key = (type(module), reference)
+    if key not in _SAME_FORWARD:
+        source = _forward_source(reference)
+        _SAME_FORWARD[key] = bool(source) and _forward_source(type(module)) == source
+    return _SAME_FORWARD[key]
