@@ -62,33 +62,21 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all in float32, then cast back
     (HF multiplies before the cast, unlike Llama). The weight is stored zero-centred, as
-    checkpoints hold it. ``norm(x, residual)`` adds and normalizes like :class:`RMSNorm`."""
+    checkpoints hold it. ``norm(x, residual)`` adds and normalizes like :class:`RMSNorm`
+    (never on the platform's fused kernel, which scales by ``weight`` itself)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(
-            torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
+        super().__init__(hidden_size, eps, dtype=dtype, device=device, fused_ops=None)
+        with torch.no_grad():
+            self.weight.zero_()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        summed = residual + x
-        return self._norm(summed), summed
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 class Float32LayerNorm(nn.Module):
