@@ -114,6 +114,10 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--enable-sleep-mode", is_flag=True, default=False,
                  help="Allow sleep / wake_up (POST /sleep, /wake_up): free the KV cache "
                       "(level 1) and the weights (level 2) between RL training phases."),
+    click.option("--batch-invariant", is_flag=True, default=False,
+                 help="Batch-invariant kernels: a request's tokens and logprobs are bitwise "
+                      "equal alone or in any batch, chunked or speculated (RL rollouts); "
+                      "also $ENGINE_BATCH_INVARIANT=1."),
     click.option("--quantization", "-q", default=None,
                  help="Quantization method (vLLM's names: compressed-tensors, gptq, awq, fp8, "
                       "gptq_marlin, ...); default: the checkpoint's. fp8 of an unquantized "
@@ -161,7 +165,7 @@ ENGINE_OPTION_NAMES = (
     "disable_hybrid_kv_cache_manager",
     "cpu_kvcache_space_gib", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "enable_sleep_mode",
-    "quantization",
+    "batch_invariant", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
     "kv_transfer_config", "runner", "convert", "hf_overrides", "model_impl",

@@ -47,6 +47,9 @@ class ModelConfig(BaseModel):
     # vLLM's --enable-sleep-mode: LLM.sleep / wake_up (and the server's /sleep routes)
     # may free the KV cache and the weights (engine.core.engine_core.EngineCore.sleep).
     enable_sleep_mode: bool = False
+    # --batch-invariant / $ENGINE_BATCH_INVARIANT: kernels reduce in one order per row
+    # whatever the batch (engine.core.batch_invariance).
+    batch_invariant: bool = False
     # vLLM's --quantization: None follows the checkpoint (engine.quantization).
     quantization: str | None = None
     # vLLM's --hf-overrides: keys set on the HF config before the architecture resolves

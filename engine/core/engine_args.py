@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.core.batch_invariance import env_requests_batch_invariance
 from engine.core.config import (
     CacheConfig,
     DeviceConfig,
@@ -86,6 +87,8 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free the KV cache and weights
+    # Bitwise-equal outputs whatever the batch (or $ENGINE_BATCH_INVARIANT=1).
+    batch_invariant: bool = False
     quantization: str | None = None  # None: the checkpoint's; vLLM's names
     # vLLM's --speculative-config: a dict or its JSON text (engine.spec_decode.config).
     speculative_config: dict[str, Any] | str | None = None
@@ -190,6 +193,7 @@ class EngineArgs:
                 generation_config=self.generation_config,
                 enforce_eager=self.enforce_eager,
                 enable_sleep_mode=self.enable_sleep_mode,
+                batch_invariant=self.batch_invariant or env_requests_batch_invariance(),
                 quantization=self.quantization,
                 hf_overrides=hf_overrides,
                 model_impl=self.model_impl,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.core.batch_invariance import set_batch_invariant
 from engine.core.config import EngineConfig
 from engine.core.interfaces import Platform
 from engine.core.interfaces.attention import kv_cache_torch_dtype
@@ -83,6 +84,8 @@ class Worker:
     def __init__(self, config: EngineConfig, platform: Platform, parallel: Any = None,
                  num_threads: int | None = None) -> None:
         self.config = config
+        # before any kernel is chosen: kernels read the process's mode
+        set_batch_invariant(config.model.batch_invariant)
         self.num_threads = num_threads if num_threads is not None else config.device.num_threads
         self.platform = platform
         self.parallel = parallel

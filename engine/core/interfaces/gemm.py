@@ -13,6 +13,11 @@ Weights may be stored narrower than the activations are computed in: a bf16 chec
 on a CPU without bf16 arithmetic keeps its bf16 weights (half the bytes a decode step
 streams) and computes in float32; ``DenseLayerSpec.activation_dtype`` says so, and a
 kernel that accepts such a layer widens the weight itself.
+
+Batch-invariant mode (``engine.core.batch_invariance``) offers a layer only to kernels
+whose ``batch_invariant`` is True: each output row reduced over k in one order whatever
+the row count, the row's place among the rows and the step (prefill, decode, speculative
+verification); layers none takes run ``F.linear`` on fixed-shape row chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class DenseLayerSpec:
     shared: bool = False
     # The dtype of x and y (None: the weight's).
     activation_dtype: "torch.dtype | None" = None
+    # Batch-invariant mode: only kernels with ``batch_invariant`` may take the layer.
+    batch_invariant: bool = False
 
     @property
     def act_dtype(self) -> "torch.dtype":
@@ -49,6 +56,9 @@ class DenseGemmKernel(ABC):
     name: ClassVar[str]
     # True: prepare() returns the weight unchanged, so shared weights may use the kernel.
     keeps_layout: ClassVar[bool] = False
+    # True: a row's result does not depend on how many rows a call has or where it sits
+    # among them (the kernel runs in batch-invariant mode, set up by ``prepare``).
+    batch_invariant: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
