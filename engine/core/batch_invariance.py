@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.nn.functional as F
+
 ENV = "ENGINE_BATCH_INVARIANT"
 _enabled: bool | None = None  # None: follow the environment
 
@@ -38,3 +41,21 @@ def set_batch_invariant(enabled: bool) -> None:
     """Turn the mode on or off for this process (the worker does, from its config)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+INVARIANT_ROWS = 16  # rows per F.linear call in batch-invariant mode
+
+
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` over chunks of exactly INVARIANT_ROWS rows (the last zero-padded):
+    a library GEMM picks its algorithm, and so its reduction order, from the shape, so
+    one shape for every call makes a row's result independent of the batch (the
+    batch-invariant fallback for a layer no invariant kernel takes)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = -(-n // INVARIANT_ROWS) * INVARIANT_ROWS
+    if padded != n:
+        rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(INVARIANT_ROWS)])
+    return out[:n].reshape(*x.shape[:-1], weight.shape[0])

@@ -75,6 +75,11 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
         model_impl=config.model.model_impl,
         pooler_config=config.model.pooler_config,
     )
+    if config.model.batch_invariant:
+        scheme = kernel_report.quantization_scheme(model)
+        if scheme is not None:  # their GEMMs change schedule with the row count
+            raise ValueError(f"batch-invariant mode covers unquantized weights; this model "
+                             f"is quantized ({scheme})")
     return model, attn_backend
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core.batch_invariance import batch_invariant_enabled
+from engine.core.batch_invariance import batch_invariant_enabled, fixed_shape_linear
 from engine.core.interfaces import Communicator, DenseGemmKernel, DenseLayerSpec
 from engine.model_executor.lazy_tensor import materialize, split_part
 
@@ -88,24 +88,6 @@ def dense_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
     return kernel.apply(layer.weight, x, bias)
 
 
-INVARIANT_ROWS = 16  # rows per F.linear call in batch-invariant mode
-
-
-def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` over chunks of exactly INVARIANT_ROWS rows (the last zero-padded):
-    a library GEMM picks its algorithm, and so its reduction order, from the shape, so
-    one shape for every call makes a row's result independent of the batch (the
-    batch-invariant fallback for a layer no invariant kernel takes)."""
-    rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    padded = -(-n // INVARIANT_ROWS) * INVARIANT_ROWS
-    if padded != n:
-        rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in rows.split(INVARIANT_ROWS)])
-    return out[:n].reshape(*x.shape[:-1], weight.shape[0])
-
-
 def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -> int:
     """Offer every dense weight of ``model`` to the platform's kernels, in order; the
     first that accepts a layer repacks its weight (or, for a kernel that keeps the layout,
@@ -123,9 +105,12 @@ def pack_dense_weights(model: nn.Module, kernels: list[type[DenseGemmKernel]]) -
         if spec is None:
             continue
         for kernel_cls in kernels:
-            if spec.shared and not kernel_cls.keeps_layout:
-                continue  # repacking would change the weight under its other reader
             if spec.batch_invariant and not kernel_cls.batch_invariant:
+                continue
+            # Repacking would change the weight under its other reader; batch-invariant
+            # mode packs a copy instead (a tied LM head's plain-layout GEMM would have
+            # to keep one order at every row count, ~2x slower than the packed one).
+            if spec.shared and not kernel_cls.keeps_layout and not spec.batch_invariant:
                 continue
             if kernel_cls.can_implement(spec) is None:
                 kernel = chosen.setdefault(kernel_cls, kernel_cls())

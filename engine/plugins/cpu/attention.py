@@ -71,6 +71,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.core.batch_invariance import batch_invariant_enabled
 from engine.core.interfaces import (
     AttentionBackend,
     AttentionBatch,
@@ -202,6 +203,8 @@ class CPUAttentionMetadata:
         if self._token_queries is None:
             query_lens = self.query_lens
             by_kernel = (query_lens <= 1) | (self.seq_lens <= KERNEL_PREFILL_MAX_CONTEXT)
+            if batch_invariant_enabled():  # every query token summed as a decode's is
+                by_kernel[:] = True
             token_req = np.repeat(np.arange(len(query_lens)), query_lens)
             ends = np.cumsum(query_lens)
             # token t of its request's chunk ending at ends[r]: position seq_len - (end - t)

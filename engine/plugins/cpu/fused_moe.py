@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from engine.core.batch_invariance import batch_invariant_enabled, fixed_shape_linear
 from engine.core.interfaces import FusedMoEKernel, MoELayerSpec
 from engine.core.interfaces.moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
@@ -61,6 +62,9 @@ class CPUFusedMoE(FusedMoEKernel):
             tokens = pairs // top_k
             rows = hidden.index_select(0, tokens)
         inter = w2.shape[2]
+        # an expert's row count follows the batch: in batch-invariant mode one GEMM
+        # shape for every call (torch's GEMMs pick their reduction order by shape)
+        linear = fixed_shape_linear if batch_invariant_enabled() else F.linear
         done = torch.empty(len(pairs), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         start = 0
         with record_function("moe.expert_gemms"):
@@ -68,16 +72,11 @@ class CPUFusedMoE(FusedMoEKernel):
                 if not count:
                     continue
                 segment = rows[start : start + count]
-                if w13_bias is None:
-                    gate_up = segment @ w13[expert].t()
-                else:
-                    gate_up = torch.addmm(w13_bias[expert], segment, w13[expert].t())
+                bias13 = None if w13_bias is None else w13_bias[expert]
+                bias2 = None if w2_bias is None else w2_bias[expert]
+                gate_up = linear(segment, w13[expert], bias13)
                 gated = _gated(activation, gate_up, inter)
-                if w2_bias is None:
-                    done[start : start + count] = gated @ w2[expert].t()
-                else:
-                    done[start : start + count] = torch.addmm(w2_bias[expert], gated,
-                                                              w2[expert].t())
+                done[start : start + count] = linear(gated, w2[expert], bias2)
                 start += count
         with record_function("moe.combine"):
             scale = topk_weights.flatten()[pairs].unsqueeze(1)

@@ -125,6 +125,7 @@ class CPUPackedGemm(_NativeKernel):
     once (in its own dtype: bf16 and fp16 weights are widened inside the kernel)."""
 
     name: ClassVar[str] = "cpu_packed"
+    batch_invariant: ClassVar[bool] = True  # one k order per row (csrc: batch_invariant_mode)
 
     @classmethod
     def can_implement(cls, spec: DenseLayerSpec) -> str | None:
@@ -157,6 +158,7 @@ class CPUPlainGemm(_NativeKernel):
 
     name: ClassVar[str] = "cpu_plain"
     keeps_layout: ClassVar[bool] = True
+    batch_invariant: ClassVar[bool] = True  # in the mode, never F.linear from some rows
 
     @classmethod
     def can_implement(cls, spec: DenseLayerSpec) -> str | None:
@@ -169,7 +171,7 @@ class CPUPlainGemm(_NativeKernel):
         self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
-        if (rows >= PLAIN_ONEDNN_ROWS and self.kernels.has_bf16_dot
+        if (rows >= PLAIN_ONEDNN_ROWS and not self.kernels.batch_invariant and self.kernels.has_bf16_dot
                 and x.dtype == weight.dtype == torch.bfloat16):
             return F.linear(x, weight, bias)
         return self.kernels.gemm_plain(weight, x, bias)

@@ -186,6 +186,8 @@ class CPUKernels(FusedOps):
         self._set_stream_prefetch = _bind(lib.set_stream_prefetch, [_i32])
         self.stream_prefetch: str = "nta"  # the library's default (csrc/cpu_math.h)
         self._set_amx_min_rows = _bind(lib.gemm_set_amx_min_rows, [_i32])
+        self._set_batch_invariant = _bind(lib.set_batch_invariant, [_i32])
+        self.batch_invariant = False  # the library's default (csrc/runtime.c)
         self.amx_min_rows: int | None = AMX_MIN_ROWS if self.has_amx else None
         self._fma_peak = lib.fma_peak_gflops
         self._fma_peak.restype, self._fma_peak.argtypes = ctypes.c_double, [_i64]
@@ -293,6 +295,13 @@ class CPUKernels(FusedOps):
         count is meanwhile (0: follow the pool), so the order its softmax sums in, and so
         a request's tokens, do not depend on the thread governor's moves."""
         self._set_split_threads(threads)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Batch-invariant mode (engine.core.batch_invariance) for this library: GEMMs
+        keep one accumulator chain and the vdpbf16ps path at any row count (no AMX),
+        attention never splits a row's keys, gemm_plain never switches to panels."""
+        self._set_batch_invariant(int(enabled))
+        self.batch_invariant = bool(enabled)
 
     # -- fused elementwise ops (rows may be strided; the last dimension is contiguous) --
     def supports(self, dtype: torch.dtype) -> bool:

@@ -203,6 +203,7 @@ class CPUPlatform(Platform):
         while the threads wait for CPUs that something else holds (a front-end process
         on the same cores, a noisy neighbour) and raises it again when they free up,
         instead of reserving a core for a front end that may not be there."""
+        from engine.core.batch_invariance import batch_invariant_enabled
         from engine.plugins.cpu.host_memory import keep_freed_blocks_in_heap
         from engine.plugins.cpu.native import load_kernels
         from engine.plugins.cpu.threads import (
@@ -221,6 +222,7 @@ class CPUPlatform(Platform):
         kernels = load_kernels()
         if kernels is not None:
             kernels.set_split_threads(plan.num_threads)
+            kernels.set_batch_invariant(batch_invariant_enabled())
         if plan.pin_cpus is not None and kernels is not None:
             try:
                 kernels.pin_threads(list(plan.pin_cpus))
@@ -274,6 +276,15 @@ class CPUPlatform(Platform):
             else:
                 backends.append(TritonAttentionBackend)
         return backends
+
+    def check_and_update_config(self, config) -> None:
+        """Batch-invariant mode needs the C kernels: the torch-op fallbacks (SDPA, oneDNN)
+        choose their reduction order by shape."""
+        from engine.plugins.cpu.native import load_kernels
+
+        if config.model.batch_invariant and load_kernels() is None:
+            raise ValueError("batch-invariant mode on the CPU needs the plugin's C kernels, "
+                             "which could not be built or are disabled here (the log says why)")
 
     def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
         from engine.plugins.cpu.gemm import gemm_preference

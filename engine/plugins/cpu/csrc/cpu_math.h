@@ -39,6 +39,10 @@ static inline int is_fp8(int dtype) { return dtype == DTYPE_FP8_E4M3 || dtype ==
  */
 enum { STREAM_PREFETCH_NTA = 0, STREAM_PREFETCH_T0 = 1, STREAM_PREFETCH_NONE = 2 };
 extern int stream_prefetch_mode;
+/* Batch-invariant mode (runtime.c's set_batch_invariant): every kernel reduces a row in
+ * the order it uses at any row count -- no second accumulator chain for one or two rows,
+ * no AMX from some row count on, no key splits sized to the batch. */
+extern int batch_invariant_mode;
 
 /* Prefetch p, an address ahead of a once-read stream, as stream_prefetch_mode says. */
 static inline __attribute__((always_inline)) void stream_prefetch(const void *p) {

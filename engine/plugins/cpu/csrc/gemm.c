@@ -101,7 +101,8 @@ static inline __attribute__((always_inline)) void gemm_block(
     int last, const void *bias, int64_t col, void *out, int64_t ldo, const int odt)
 {
     vf acc[GEMM_ROWS][GEMM_VECS], odd[GEMM_ROWS][GEMM_VECS];
-    const int dual = streamed && R <= 2; /* latency, not bandwidth, would bound one chain */
+    /* latency, not bandwidth, would bound one chain (one order for any rows when invariant) */
+    const int dual = streamed && R <= 2 && !batch_invariant_mode;
 #pragma GCC unroll 4
     for (int j = 0; j < J; j++) {
         const vf b = first && bias != NULL ? vf_load_as(bias, col + j * VF, odt) : vf_splat(0.0f);
@@ -345,7 +346,8 @@ static inline __attribute__((always_inline)) void plain_block(
     int64_t k)
 {
     vf acc[PLAIN_XR][PLAIN_WR], odd[PLAIN_WR];
-    const int dual = R == 1; /* one x row: a second chain per weight row halves the latency */
+    /* one x row: a second chain per weight row halves the latency */
+    const int dual = R == 1 && !batch_invariant_mode;
     for (int v = 0; v < WR; v++) {
         odd[v] = vf_splat(0.0f);
         for (int r = 0; r < R; r++)
@@ -454,7 +456,7 @@ int gemm_plain(const void *x, int64_t ldx, const void *w, int64_t ldw, const voi
     if (native_bf16_plain(m, wdt, adt))
         return gemv_bf16_rows((const uint16_t *)x, ldx, (const uint16_t *)w, ldw,
                               (const uint16_t *)bias, (uint16_t *)out, ldo, m, n_total, k);
-    const int many_rows = m >= PLAIN_PACK_ROWS && n_total % 16 == 0;
+    const int many_rows = m >= PLAIN_PACK_ROWS && n_total % 16 == 0 && !batch_invariant_mode;
     int64_t ld;
     float *owned;
     const float *rows = float_rows(x, ldx, m, k, adt, &ld, &owned);

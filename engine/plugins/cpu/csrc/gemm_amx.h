@@ -163,7 +163,9 @@ static void amx_item(const uint16_t *x, int64_t ldx, int rows, const uint16_t *p
         }
 }
 
-static int amx_covers(int64_t m, int64_t k) { return m >= amx_min_rows && k % AMX_K == 0; }
+static int amx_covers(int64_t m, int64_t k) {
+    return m >= amx_min_rows && k % AMX_K == 0 && !batch_invariant_mode;
+}
 
 /* out [m, n] = x W^T (+ bias) on the pair layout, through AMX tiles; 0, or -3 when the
  * padding buffers cannot be had. */

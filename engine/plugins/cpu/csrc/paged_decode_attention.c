@@ -630,6 +630,8 @@ void set_split_threads(int n) { split_threads = n > 0 ? n : 0; }
 
 int decode_key_splits(int num_tasks, const int64_t *seq_lens, int num_reqs, int window)
 {
+    if (batch_invariant_mode) /* a split's merge would round a row by its batch */
+        return 1;
     const int threads = split_threads > 0 ? split_threads : omp_get_max_threads();
     if (num_tasks >= threads || num_tasks <= 0) return 1;
     int64_t longest = 0;

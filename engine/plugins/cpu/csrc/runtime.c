@@ -29,6 +29,16 @@ int set_stream_prefetch(int mode)
     return previous;
 }
 
+int batch_invariant_mode = 0; /* cpu_math.h */
+
+/* Turn batch-invariant mode on (1) or off (0); returns the previous setting. */
+int set_batch_invariant(int enabled)
+{
+    const int previous = batch_invariant_mode;
+    batch_invariant_mode = enabled != 0;
+    return previous;
+}
+
 /* The ISA level this library was built for (kernel_build.LEVELS names). */
 const char *isa_level(void) { return ENGINE_ISA_LEVEL; }
 
