@@ -35,7 +35,7 @@ def causal_conv1d_prefill(
     """x ``[T, dim]``, weight ``[dim, W]`` -> ``[T, dim]``; updates ``conv_state`` slots.
 
     The packed inputs are laid out as ``[hist_0, x_0, hist_1, x_1, ...]`` (each ``hist``
-    is the request's W-1 previous inputs), so every output is W shifted gathers of one
+    is the request's W-1 previous inputs), so the outputs are one convolution of that
     buffer and the new state is the last W-1 rows of each request's segment.
     """
     num_tokens, dim = x.shape
@@ -54,10 +54,13 @@ def causal_conv1d_prefill(
     req = _varlen.token_requests(qsl, num_tokens)
     tok_pos = torch.arange(num_tokens, device=x.device) + (req + 1) * hist  # [T]
     ext[tok_pos] = x.to(cd)
+    # Convolve the whole buffer with W shifted views (no gathers), then keep token rows.
     w = weight.to(cd)
-    y = ext[tok_pos - hist] * w[:, 0]
+    n_out = ext.shape[0] - hist
+    full = ext[:n_out] * w[:, 0]
     for k in range(1, width):  # W is the kernel width (4), not a token count
-        y = y + ext[tok_pos - hist + k] * w[:, k]
+        full.addcmul_(ext[k : k + n_out], w[:, k])
+    y = full[tok_pos - hist]
     if bias is not None:
         y = y + bias.to(cd)
     if hist > 0:

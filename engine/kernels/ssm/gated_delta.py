@@ -57,7 +57,7 @@ def gated_delta_prefill(
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm, scale, cd)
 
     def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [NC, H, L, ...]
-        return _varlen.to_chunks(t.to(cd), lay).transpose(1, 2)
+        return _varlen.to_chunks(t.to(cd), lay).transpose(1, 2).contiguous()
 
     qc, kc, vc = chunks(qf), chunks(kf), chunks(v)
     gc, bc = chunks(g), chunks(beta)  # padding: g = 0 (no decay), beta = 0 (no write)

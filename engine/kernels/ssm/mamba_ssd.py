@@ -17,6 +17,7 @@ from engine.kernels.ssm import _varlen
 
 DtLimit = tuple[float, float]
 NO_LIMIT: DtLimit = (0.0, float("inf"))
+_TEMP_ELEMENTS = 1 << 22  # bound on the intra-chunk [chunks, H, L, L] temporaries
 
 
 def _skip(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
@@ -47,29 +48,38 @@ def mamba2_ssd_prefill(
 
     Reads/writes ``ssm_state[state_indices]`` (``[slots, H, P, N]``).
     """
-    num_heads = x.shape[1]
-    heads_per_group = num_heads // B.shape[1]
+    num_heads, head_dim = x.shape[1:]
+    num_groups, d_state = B.shape[1:]
+    hg = num_heads // num_groups  # heads of a group share B and C: never expanded
     cd = _varlen.compute_dtype(x)
     lay = _varlen.chunk_layout(query_start_loc, chunk_size)
+    nc, L = lay.num_chunks, chunk_size
     dt = _varlen.softplus_dt(dt, dt_bias, dt_softplus, dt_limit, cd)
-    xc = _varlen.to_chunks(x.to(cd), lay)  # [NC, L, H, P]
     dtc = _varlen.to_chunks(dt, lay)  # [NC, L, H]; 0 in the padding: no decay, no input
-    Bh = _varlen.to_chunks(B.to(cd), lay).repeat_interleave(heads_per_group, dim=2)
-    Ch = _varlen.to_chunks(C.to(cd), lay).repeat_interleave(heads_per_group, dim=2)
-    xdt = xc * dtc[..., None]
-    acum = torch.cumsum(dtc * A.to(cd), dim=1).transpose(1, 2)  # [NC, H, L]
+    Bc = _varlen.to_chunks(B.to(cd), lay)  # [NC, L, G, N]
+    Cc = _varlen.to_chunks(C.to(cd), lay)
+    xdt = _varlen.to_chunks(x.to(cd), lay) * dtc[..., None]  # [NC, L, H, P]
+    xdt = xdt.view(nc, L, num_groups, hg, head_dim)
+    acum = torch.cumsum(dtc * A.to(cd), dim=1)  # [NC, L, H]
 
-    # Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l.B_s) exp(acum_l - acum_s) xdt_s.
-    L = chunk_size
+    # Intra-chunk (diagonal blocks): y_l = sum_{s<=l} (C_l.B_s) exp(acum_l - acum_s) xdt_s,
+    # a few chunks at a time so the [chunks, H, L, L] temporaries stay bounded.
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    seg = (acum[..., :, None] - acum[..., None, :]).masked_fill(~causal, float("-inf"))
-    scores = torch.einsum("clhn,cshn->chls", Ch, Bh) * seg.exp()
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    acum_h = acum.view(nc, L, num_groups, hg).permute(0, 2, 3, 1)  # [NC, G, hg, L]
+    y = torch.empty_like(xdt)
+    step = max(1, _TEMP_ELEMENTS // (num_heads * L * L))
+    for c0 in range(0, nc, step):
+        c1 = min(nc, c0 + step)
+        a = acum_h[c0:c1]
+        scores = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp_()
+        scores.mul_(torch.einsum("clgn,csgn->cgls", Cc[c0:c1], Bc[c0:c1])[:, :, None])
+        y[c0:c1] = torch.einsum("cgjls,csgjp->clgjp", scores, xdt[c0:c1])
 
     # Each chunk's own contribution to its end state, and its total decay.
-    to_end = (acum[..., -1:] - acum).exp().transpose(1, 2)  # [NC, L, H]
-    chunk_states = torch.einsum("clhn,clhp->chpn", Bh * to_end[..., None], xdt)
-    chunk_decay = acum[..., -1].exp()  # [NC, H]
+    to_end = (acum[:, -1:] - acum).exp().view(nc, L, num_groups, hg, 1)
+    chunk_states = torch.einsum("clgn,clgjp->cgjpn", Bc, xdt * to_end)
+    chunk_states = chunk_states.reshape(nc, num_heads, head_dim, d_state)
+    chunk_decay = acum[:, -1].exp()  # [NC, H]
 
     # Inter-chunk recurrence over chunk index, all requests at once.
     cur = _varlen.load_initial_states(ssm_state, state_indices, has_initial_state, cd)
@@ -80,10 +90,11 @@ def mamba2_ssd_prefill(
         cur[reqs] = prev * chunk_decay[cids][:, :, None, None] + chunk_states[cids]
 
     # Off-diagonal blocks: the chunk's start state read through C, decayed to position l.
-    from_start = acum.exp().transpose(1, 2)  # [NC, L, H]
-    y = y + torch.einsum("clhn,chpn->clhp", Ch, starts) * from_start[..., None]
+    from_start = acum.exp().view(nc, L, num_groups, hg, 1)
+    starts = starts.view(nc, num_groups, hg, head_dim, d_state)
+    y += torch.einsum("clgn,cgjpn->clgjp", Cc, starts) * from_start
     _varlen.store_final_states(ssm_state, state_indices, cur)
-    y = _varlen.from_chunks(y, lay)
+    y = _varlen.from_chunks(y.view(nc, L, num_heads, head_dim), lay)
     return _skip(y, x.to(cd), D).to(x.dtype)
 
 

@@ -22,10 +22,7 @@ _FLOAT_MAX = 3.0e38
 
 
 @triton.jit
-def _softplus_clamp(dt, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                    HAS_LIMIT: tl.constexpr, dt_min, dt_max):
-    if HAS_BIAS:
-        dt = dt + bias
+def _softplus_clamp(dt, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, dt_min, dt_max):
     if SOFTPLUS:
         dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
     if HAS_LIMIT:
@@ -39,7 +36,7 @@ def _ssd_scan_kernel(
     qsl_ptr, sidx_ptr, init_ptr,
     head_dim, d_state, heads_per_group, dt_min, dt_max,
     s_xt, s_xh, s_dtt, s_bt, s_bg, s_ot, s_oh, s_ss, s_sh, s_sp, s_sn,
-    HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     BLOCK_P: tl.constexpr, N_PAD: tl.constexpr,
 ):
@@ -60,9 +57,7 @@ def _ssd_scan_kernel(
     init_mask = (tl.zeros((BLOCK_P, N_PAD), dtype=tl.int32) + has_init) != 0
     state = tl.load(s_ptrs, mask=smask & init_mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + h).to(tl.float32)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(dtb_ptr + h).to(tl.float32)
+    bias = tl.load(dtb_ptr + h).to(tl.float32)  # the wrapper passes zeros when there is none
     skip = tl.zeros((BLOCK_P,), dtype=tl.float32)
     if HAS_D:
         if D_PER_CHANNEL:
@@ -71,8 +66,8 @@ def _ssd_scan_kernel(
             skip += tl.load(d_ptr + h).to(tl.float32)
     for t in range(start, end):
         x = tl.load(x_ptr + t * s_xt + h * s_xh + p, mask=pmask, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + t * s_dtt + h).to(tl.float32)
-        dt = _softplus_clamp(dt, bias, HAS_BIAS, SOFTPLUS, HAS_LIMIT, dt_min, dt_max)
+        dt = tl.load(dt_ptr + t * s_dtt + h).to(tl.float32) + bias
+        dt = _softplus_clamp(dt, SOFTPLUS, HAS_LIMIT, dt_min, dt_max)
         bv = tl.load(b_ptr + t * s_bt + g * s_bg + n, mask=nmask, other=0.0).to(tl.float32)
         cv = tl.load(c_ptr + t * s_bt + g * s_bg + n, mask=nmask, other=0.0).to(tl.float32)
         state = state * tl.exp(dt * a) + (x * dt)[:, None] * bv[None, :]
@@ -118,17 +113,18 @@ def mamba2_ssd_prefill(
     has_limit = dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf"))
     lo, hi = (dt_limit if has_limit else NO_LIMIT)
     Dc = D.contiguous() if D is not None else x
+    dtb = dt_bias if dt_bias is not None else torch.zeros(num_heads, device=x.device)
     block_p = min(64, next_power_of_2(head_dim))
     grid = (num_reqs, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_scan_kernel[grid](
-        x, dt, A.contiguous(), B, C, Dc, dt_bias if dt_bias is not None else x, ssm_state, out,
+        x, dt, A.contiguous(), B, C, Dc, dtb, ssm_state, out,
         query_start_loc, state_indices, init,
         head_dim, d_state, num_heads // num_groups, float(lo), float(min(hi, _FLOAT_MAX)),
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
         out.stride(0), out.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2,
-        HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+        SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         BLOCK_P=block_p, N_PAD=next_power_of_2(d_state),
     )
     return out
