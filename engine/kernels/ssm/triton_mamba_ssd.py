@@ -1,11 +1,10 @@
-"""Mamba-2 scan and decode step, Triton (the accelerator path).
+"""Mamba-2 decode step (and a recurrent varlen scan), Triton (the accelerator path).
 
 Same semantics and layouts as :mod:`engine.kernels.ssm.mamba_ssd`. One program per
 (request, head, block of head_dim) keeps its ``[block, d_state]`` state in registers and
 walks the request's tokens in order, so the state is read once and written once per
-request; decode is the same kernel with one token per request. (This is the recurrent
-form: exact for any length, but it does not use tensor cores the way the chunked SSD
-matmul form does on long prefills.)
+request; decode is this kernel with one token per request. Prefill goes to the chunked
+matmul form (:mod:`engine.kernels.ssm.triton_mamba_ssd_chunked`).
 """
 
 from __future__ import annotations
@@ -15,6 +14,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.ssm.mamba_ssd import NO_LIMIT, DtLimit
+from engine.kernels.ssm.triton_mamba_ssd_chunked import mamba2_ssd_prefill
+
+__all__ = ["mamba2_ssd_decode", "mamba2_ssd_prefill", "mamba2_ssd_recurrent"]
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
 _INTERPRETED = interpreting()
@@ -76,7 +78,7 @@ def _ssd_scan_kernel(
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask)
 
 
-def mamba2_ssd_prefill(
+def mamba2_ssd_recurrent(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -94,8 +96,7 @@ def mamba2_ssd_prefill(
 ) -> torch.Tensor:
     """x ``[T, H, P]``, dt ``[T, H]``, A ``[H]``, B/C ``[T, G, N]`` -> y ``[T, H, P]``.
 
-    ``chunk_size`` is accepted for API parity with the torch path; the recurrent kernel
-    does not chunk.
+    Token by token (``chunk_size`` is accepted for API parity and ignored).
     """
     del chunk_size
     check_device(_INTERPRETED, x, dt, A, B, C, ssm_state, query_start_loc, state_indices)
@@ -145,6 +146,6 @@ def mamba2_ssd_decode(
 ) -> torch.Tensor:
     """One token per request: x ``[R, H, P]``, dt ``[R, H]``, B/C ``[R, G, N]``."""
     qsl = torch.arange(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-    return mamba2_ssd_prefill(
+    return mamba2_ssd_recurrent(
         x, dt, A, B, C, ssm_state, qsl, state_indices, None, D, dt_bias, dt_softplus, dt_limit
     )

@@ -167,3 +167,29 @@ def test_mamba2_without_optional_inputs(backend):
                                 torch.zeros(H, P, N))
     torch.testing.assert_close(y.double(), want_y, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(pool[1].double(), want_s, rtol=2e-4, atol=2e-4)
+
+
+def test_triton_mamba2_recurrent_matches_chunked():
+    """The recurrent Triton scan (decode's kernel) over a varlen prefill, vs the chunked one."""
+    from engine.kernels.ssm import triton_mamba_ssd
+
+    op = OPS["mamba2"]
+    gen = torch.Generator().manual_seed(3)
+    inputs = op.make(TINY["mamba2"], 7, NUM_SLOTS, torch.float32, gen)
+    pool = inputs["ssm_state"].clone()
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    idx = torch.tensor([5, 1], dtype=torch.int32)
+    hi = torch.tensor([True, False])
+    want = op.prefill(inputs, qsl, idx, hi, "triton", 16)
+    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    got = triton_mamba_ssd.mamba2_ssd_recurrent(
+        *args, pool, qsl, idx, hi, D=inputs["D"], dt_bias=inputs["dt_bias"], dt_limit=(0.0, 5.0)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool, inputs["ssm_state"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mamba2_several_chunks(dtype):
+    """Requests spanning several 16-token chunks, one continuing from its slot."""
+    _varlen_check("mamba2", "triton", dtype, [20, 3, 37], [True, False, True], chunk=16)
