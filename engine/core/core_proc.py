@@ -64,7 +64,9 @@ class EngineCoreProc:
 
     # EngineCore methods a front end may call as utilities (looked up when called).
     CORE_UTILITIES = ("reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
-                      "pause_scheduling", "abort_all_requests", "resume_scheduling")
+                      "pause_scheduling", "abort_all_requests", "resume_scheduling",
+                      "update_weights", "init_weight_update_group",
+                      "update_weights_from_distributed", "update_weights_from_tensors")
 
     def __init__(
         self,

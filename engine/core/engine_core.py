@@ -11,6 +11,7 @@ import gc
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from engine.core.config import EngineConfig
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -264,6 +265,68 @@ class EngineCore:
             future, so = self.batch_queue.popleft()
             outputs += self.scheduler.update_from_output(so, future.result())
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic())
+
+    # -- weight updates (RL training loops) ---------------------------------------------
+    def update_weights(self, path: str) -> None:
+        """Every rank loads its shard of the checkpoint directory ``path`` (the running
+        architecture) into a fresh model and swaps it in; see
+        :mod:`engine.model_executor.weight_update`."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"path must be a checkpoint directory, not {path!r}")
+        self._update_weights("update_weights", path)
+
+    def init_weight_update_group(self, master_address: str, master_port: int,
+                                 rank_offset: int, world_size: int) -> None:
+        """Engine rank ``i`` joins the trainer's group (the trainer is rank 0, hosting
+        ``master_address:master_port``) as rank ``rank_offset + i``."""
+        ranks = self.config.parallel.world_size
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address must be a host name, not {master_address!r}")
+        for name, value in (("master_port", master_port), ("rank_offset", rank_offset),
+                            ("world_size", world_size)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, not {value!r}")  # noqa: TRY004
+        if rank_offset < 1 or rank_offset + ranks > world_size:
+            raise ValueError(f"the engine's {ranks} rank(s) from rank_offset {rank_offset} "
+                             f"do not fit a group of {world_size} (the trainer is rank 0)")
+        self.executor.update_weights("init_weight_update_group", master_address,
+                                     master_port, rank_offset, world_size)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]]) -> None:
+        """Receive each (name, dtype, shape) tensor by broadcast from the trainer's rank 0,
+        in order, every rank loading its shard (a full set of the model's tensors)."""
+        from engine.distributed.weight_sync import check_broadcast_specs
+
+        check_broadcast_specs(list(names), list(dtypes), [list(s) for s in shapes])
+        self._update_weights("update_weights_from_distributed", list(names),
+                             [str(d) for d in dtypes], [list(s) for s in shapes])
+
+    def update_weights_from_tensors(self, handles: list[list[Any]]) -> None:
+        """Load tensors shared by a trainer in the front end's process
+        (``engine.model_executor.weight_update.share_tensors``)."""
+        self._update_weights("update_weights_from_tensors", handles)
+
+    def _update_weights(self, method: str, *args: Any) -> None:
+        """Run an update on every rank, then forget the prefix cache (its blocks hold
+        the old weights' keys and values). Refused while requests are unfinished."""
+        if self.scheduler.has_unfinished_requests() or self.batch_queue:
+            raise ValueError(
+                f"cannot update the weights while {self.scheduler.get_num_unfinished_requests()}"
+                " requests are unfinished: wait for them, abort them or "
+                "pause_generation(mode='abort') first")
+        if self.kv_connector is not None:
+            raise ValueError("weight updates cannot be combined with a KV connector yet")
+        try:
+            self.executor.update_weights(method, *args)
+        finally:  # a refused update may have reallocated the KV cache too
+            if not self.scheduler.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be reset after a weight "
+                                   "update")
+        self.sleeping_tags.discard("weights")  # the new weights are loaded, hence awake
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+        gc.collect()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -44,6 +44,8 @@ class EngineCoreClient(Protocol):
 
     def resume_scheduling(self) -> None: ...
 
+    def update_weights(self, method: str, *args: Any) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -84,6 +86,11 @@ class InprocClient:
 
     def resume_scheduling(self) -> None:
         self.core.resume_scheduling()
+
+    def update_weights(self, method: str, *args: Any) -> None:
+        """One of the core's weight-update calls (``EngineCore.update_weights*``,
+        ``init_weight_update_group``) by name."""
+        getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -301,6 +301,11 @@ class SyncMPClient:
     def resume_scheduling(self) -> None:
         self.call_utility("resume_scheduling")
 
+    def update_weights(self, method: str, *args: Any) -> None:
+        """One of the core's weight-update utilities by name (EngineCore.update_weights*,
+        init_weight_update_group)."""
+        self.call_utility(method, *args)
+
     def _receive_once(self) -> None:
         """Wait up to POLL_S for one message; raise EngineDeadError if the core died."""
         sock = self.proc.output_socket
@@ -406,6 +411,9 @@ class AsyncMPClient:
 
     async def resume_scheduling(self) -> None:
         await self.call_utility("resume_scheduling")
+
+    async def update_weights(self, method: str, *args: Any) -> None:
+        await self.call_utility(method, *args)
 
     # -- the reader -------------------------------------------------------------------------
     def _ensure_reader(self) -> None:

@@ -319,6 +319,36 @@ class AsyncLLM:
         await self.client.resume_scheduling()
         self.paused = False
 
+    # -- weight updates (RL training loops; see LLM.update_weights) -----------------------
+    async def update_weights(self, path: str) -> None:
+        """Every rank loads its shard of checkpoint directory ``path``."""
+        await self._update("update_weights", str(path))
+
+    async def init_weight_update_group(self, master_address: str, master_port: int,
+                                       rank_offset: int, world_size: int) -> None:
+        """Join the trainer's process group (the trainer is rank 0)."""
+        await self._update("init_weight_update_group", master_address, master_port,
+                           rank_offset, world_size)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
+                                              shapes: list[list[int]]) -> None:
+        """Receive the tensors by broadcast from the trainer's rank 0, in this order."""
+        await self._update("update_weights_from_distributed", list(names),
+                           [str(d).removeprefix("torch.") for d in dtypes],
+                           [list(shape) for shape in shapes])
+
+    async def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Load tensors of a trainer in this process (shared memory / CUDA IPC)."""
+        from engine.model_executor.weight_update import share_tensors
+
+        handles = share_tensors(named_tensors, self.config.parallel.world_size)
+        await self._update("update_weights_from_tensors", handles)
+
+    async def _update(self, method: str, *args: Any) -> None:
+        self._check_usable()
+        await self.client.update_weights(method, *args)
+        self.sleeping = await self.client.is_sleeping()  # an update wakes the weights
+
     # -- the output handler -----------------------------------------------------------------
     def _ensure_output_handler(self) -> None:
         self._check_usable()

@@ -263,6 +263,49 @@ class LLM(PoolingAPI):
             raise RuntimeError("generation is paused: call resume_generation() first")
         self._resumed.wait()
 
+    # -- weight updates (RL training loops; engine.model_executor.weight_update) ----------
+    # Each call needs no unfinished request (pause_generation or let them finish first),
+    # swaps in a model built from the new tensors on every rank (a refused update leaves
+    # the old weights serving) and resets the prefix cache. It may run while asleep: after
+    # sleep(level=2) only the new model is ever held, and the weights are awake after it.
+    def update_weights(self, path: str) -> None:
+        """Load the checkpoint directory ``path`` (the running architecture, any weights)
+        on every rank, each its tensor / pipeline shard."""
+        with self._engine_lock:
+            self.llm_engine.client.update_weights("update_weights", str(path))
+
+    def init_weight_update_group(self, master_address: str, master_port: int,
+                                 rank_offset: int, world_size: int) -> None:
+        """Join a trainer's process group (the platform's backend: gloo on the CPU, NCCL
+        on GPUs; never torch.distributed's default group): the trainer is rank 0 and
+        hosts ``master_address:master_port``, engine rank ``i`` is ``rank_offset + i``.
+        Blocks until every rank has joined (the trainer joins with
+        ``engine.distributed.weight_sync.create_weight_sync_group(..., rank=0)``)."""
+        with self._engine_lock:
+            self.llm_engine.client.update_weights(
+                "init_weight_update_group", master_address, int(master_port),
+                int(rank_offset), int(world_size))
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
+                                        shapes: Sequence[Sequence[int]]) -> None:
+        """Receive the model's tensors (HF checkpoint names, full unsharded shapes) by
+        broadcast from the trainer's rank 0 in this order; every rank loads its shard."""
+        with self._engine_lock:
+            self.llm_engine.client.update_weights(
+                "update_weights_from_distributed", list(names),
+                [str(d).removeprefix("torch.") for d in dtypes],
+                [[int(n) for n in shape] for shape in shapes])
+
+    def update_weights_from_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
+        """Load tensors of a trainer in this process (HF checkpoint names), passed to
+        every rank without a copy: shared memory on the CPU (the tensors move into it),
+        CUDA IPC handles on GPUs, both through torch.multiprocessing's reductions."""
+        from engine.model_executor.weight_update import share_tensors
+
+        handles = share_tensors(named_tensors, self.llm_engine.config.parallel.world_size)
+        with self._engine_lock:
+            self.llm_engine.client.update_weights("update_weights_from_tensors", handles)
+
     def get_spec_decoding_stats(self) -> SpecDecodingStats | None:
         """Draft and accepted token counts since the previous call (None when speculative
         decoding is off): call once before the rounds to measure, once after."""

@@ -77,6 +77,17 @@ class Executor(ABC):
         """Every rank brings back ``tags`` (None: weights and KV cache)."""
         self.collective_rpc("wake_up", tags)
 
+    def update_weights(self, method: str, *args: Any) -> None:
+        """Every rank runs the weight update ``Worker.method(*args)``
+        (engine.model_executor.weight_update); the first rank's refusal is raised here: a
+        ValueError for bad input (a wrong path, name or shape), else a RuntimeError."""
+        for rank, result in enumerate(self.collective_rpc(method, *args)):
+            if result:
+                error = ValueError if result.get("type", "ValueError") == "ValueError" \
+                    else RuntimeError
+                where = f"rank {rank}: " if self.config.parallel.world_size > 1 else ""
+                raise error(where + result["error"])
+
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call ``Worker.method(*args)`` on every rank; the results in rank order."""

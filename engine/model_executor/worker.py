@@ -333,6 +333,93 @@ class Worker:
         self.proposer = build_proposer(
             config, platform, self.model, dtype, activation_dtype(config, platform, dtype))
 
+    # -- weight updates (engine.model_executor.weight_update) --------------------------------
+    # A refused update answers {"error": message} instead of raising: a rank in a worker
+    # process that raised would exit, and a bad path or name must not stop the engine.
+    def update_weights(self, path: str) -> dict[str, str] | None:
+        """This rank's shard of the checkpoint in ``path`` (same architecture) swapped in."""
+        from engine.model_executor.weight_update import checkpoint_weights
+
+        return self._swap_in(lambda: checkpoint_weights(self.config, path))
+
+    def init_weight_update_group(self, master_address: str, master_port: int,
+                                 rank_offset: int, world_size: int) -> dict[str, str] | None:
+        """Join the trainer's group as rank ``rank_offset`` + this rank."""
+        from engine.distributed.weight_sync import create_weight_sync_group
+
+        rank = rank_offset + (0 if self.layout is None else self.layout.rank)
+        try:
+            self.weight_sync_group = create_weight_sync_group(
+                master_address, master_port, rank, world_size,
+                backend=self.platform.dist_backend)
+        except (ValueError, RuntimeError) as exc:  # bad arguments, no trainer listening
+            return {"error": f"cannot join the weight update group: {exc}",
+                    "type": type(exc).__name__}
+        return None
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]]) -> dict[str, str] | None:
+        """Receive every tensor by broadcast from the trainer (full HF tensors, in
+        ``names`` order) and load this rank's shard of each; the rest is drained on error."""
+        from engine.distributed.weight_sync import check_broadcast_specs
+        from engine.model_executor.weight_update import BroadcastReceiver
+
+        group = getattr(self, "weight_sync_group", None)
+        if group is None:
+            return {"error": "no weight update group: call init_weight_update_group first"}
+        try:
+            specs = check_broadcast_specs(names, dtypes, shapes)
+        except ValueError as exc:
+            return {"error": str(exc)}
+        receiver = BroadcastReceiver(group, specs, self.platform.device())
+        error = self._swap_in(lambda: receiver)
+        if error is not None:
+            try:
+                receiver.drain()
+            except Exception as exc:  # noqa: BLE001 - the trainer is gone: say so too
+                error["error"] += f" (then receiving the rest failed: {exc})"
+        return error
+
+    def update_weights_from_tensors(self, handles: list[list[Any]]) -> dict[str, str] | None:
+        """Load tensors a trainer in the front end's process shared (shared memory / CUDA
+        IPC handles, engine.model_executor.weight_update.share_tensors)."""
+        from engine.model_executor.weight_update import open_shared_tensors
+
+        rank = 0 if self.layout is None else self.layout.rank
+        return self._swap_in(lambda: open_shared_tensors(handles, rank))
+
+    def _swap_in(self, weights: Any) -> dict[str, str] | None:
+        """Build this rank's model from ``weights()`` beside the running one, then swap
+        it in: a new runner (KV cache, forward graphs captured again) unless the KV cache
+        sleeps, and a draft model built over it. Weights asleep are awake afterwards."""
+        from engine.model_executor.weight_update import build_model
+        from engine.spec_decode.factory import build_proposer
+
+        config, platform = self.config, self.platform
+        kv_awake = self.runner is not None and "kv_cache" not in self.sleeping
+        if kv_awake:  # the old KV cache goes first: less memory while the new model loads
+            self.runner.free_kv_cache()
+        try:
+            model, attn_backend = build_model(config, platform, self.parallel, weights())
+        except Exception as exc:  # noqa: BLE001 - reported by the engine core; the old model serves on
+            if kv_awake:
+                self.runner.allocate_kv_cache(self.kv_spec, self.num_blocks)
+            return {"error": str(exc), "type": type(exc).__name__}
+        self.runner = None
+        self.model = self.proposer = self.attn_backend = None
+        self._host_weights = []
+        gc.collect()
+        self.model, self.attn_backend = model, attn_backend
+        dtype = getattr(torch, config.model.dtype)
+        self.proposer = build_proposer(
+            config, platform, self.model, dtype, activation_dtype(config, platform, dtype))
+        self.sleeping = self.sleeping - {"weights"}
+        if "kv_cache" not in self.sleeping:
+            self.initialize_cache(self.num_blocks)
+            self.sleep_level = 0
+        platform.release_cached_memory()
+        return None
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
