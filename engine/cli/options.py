@@ -114,6 +114,10 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
     click.option("--enable-sleep-mode", is_flag=True, default=False,
                  help="Allow sleep / wake_up (POST /sleep, /wake_up): free the KV cache "
                       "(level 1) and the weights (level 2) between RL training phases."),
+    click.option("--enable-weight-updates", is_flag=True, default=False,
+                 help="Serve POST /update_weights, /init_weight_update_group and "
+                      "/update_weights_from_distributed: load new weights from a directory "
+                      "or a trainer's broadcast (RL training loops)."),
     click.option("--batch-invariant", is_flag=True, default=False,
                  help="Batch-invariant kernels: a request's tokens and logprobs are bitwise "
                       "equal alone or in any batch, chunked or speculated (RL rollouts); "
@@ -165,6 +169,7 @@ ENGINE_OPTION_NAMES = (
     "disable_hybrid_kv_cache_manager",
     "cpu_kvcache_space_gib", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "enable_sleep_mode",
+    "enable_weight_updates",
     "batch_invariant", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",

@@ -47,6 +47,9 @@ class ModelConfig(BaseModel):
     # vLLM's --enable-sleep-mode: LLM.sleep / wake_up (and the server's /sleep routes)
     # may free the KV cache and the weights (engine.core.engine_core.EngineCore.sleep).
     enable_sleep_mode: bool = False
+    # --enable-weight-updates: the server registers its weight-update routes
+    # (engine.entrypoints.openai.rl_routes); LLM / AsyncLLM update weights regardless.
+    enable_weight_updates: bool = False
     # --batch-invariant / $ENGINE_BATCH_INVARIANT: kernels reduce in one order per row
     # whatever the batch (engine.core.batch_invariance).
     batch_invariant: bool = False

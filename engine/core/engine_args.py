@@ -87,6 +87,7 @@ class EngineArgs:
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free the KV cache and weights
+    enable_weight_updates: bool = False  # the server's weight-update routes (LLM: always)
     # Bitwise-equal outputs whatever the batch (or $ENGINE_BATCH_INVARIANT=1).
     batch_invariant: bool = False
     quantization: str | None = None  # None: the checkpoint's; vLLM's names
@@ -193,6 +194,7 @@ class EngineArgs:
                 generation_config=self.generation_config,
                 enforce_eager=self.enforce_eager,
                 enable_sleep_mode=self.enable_sleep_mode,
+                enable_weight_updates=self.enable_weight_updates,
                 batch_invariant=self.batch_invariant or env_requests_batch_invariance(),
                 quantization=self.quantization,
                 hf_overrides=hf_overrides,

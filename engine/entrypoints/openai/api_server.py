@@ -86,7 +86,11 @@ from engine.entrypoints.openai.request_body import (  # noqa: F401 - re-exported
     parse_body,
     validation_error,
 )
-from engine.entrypoints.openai.rl_routes import SleepingMiddleware, add_rl_routes
+from engine.entrypoints.openai.rl_routes import (
+    SleepingMiddleware,
+    add_rl_routes,
+    add_weight_update_routes,
+)
 from engine.entrypoints.openai.serving_base import (
     GenerationLimitsMiddleware,
     ServerSettings,
@@ -309,6 +313,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
 
     add_pooling_routes(app, pooling, max_depth, _guard)
     add_rl_routes(app, engine, _guard)
+    if getattr(engine.config.model, "enable_weight_updates", False):
+        add_weight_update_routes(app, engine, _guard)
     install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS,
                     () if generates else POOLING_REQUEST_MODELS)
     return app

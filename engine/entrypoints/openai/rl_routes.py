@@ -11,16 +11,36 @@
 While the engine sleeps, the generation and pooling routes answer 503 with an
 OpenAI-style error body. Like vLLM's development routes they take query parameters, no
 JSON body, and are left out of the OpenAPI document (which lists the OpenAI API).
+
+Weight updates, only with ``engine serve --enable-weight-updates`` (404 otherwise), each
+taking a JSON body and refused (400) while a request is unfinished (``POST /pause``
+first); each resets the prefix cache, and a refused update leaves the old weights serving
+(see :mod:`engine.model_executor.weight_update`):
+
+- ``POST /update_weights`` ``{"path": DIR}``: load the checkpoint directory ``DIR`` (the
+  running architecture) on every rank;
+- ``POST /init_weight_update_group`` ``{"master_address", "master_port", "rank_offset",
+  "world_size"}``: join the trainer's process group (gloo on the CPU, NCCL on GPUs; the
+  trainer is rank 0 and hosts the store, engine rank ``i`` is ``rank_offset + i``); it
+  answers once every rank has joined;
+- ``POST /update_weights_from_distributed`` ``{"names", "dtypes", "shapes"}``: receive
+  those tensors (HF checkpoint names, full shapes; the model's full set) by broadcast
+  from the trainer's rank 0, in that order.
+
+Bad input (a missing directory, another architecture, a wrong shape, an unknown or
+missing tensor name, a malformed body) answers 400 with an OpenAI-style error body.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.request_body import parse_body
 
 # The routes that run the model: refused with 503 while the engine sleeps.
 MODEL_PATHS = frozenset((
@@ -81,3 +101,49 @@ def add_rl_routes(app: FastAPI, engine: Any, guard: Any) -> None:
     @app.get("/is_paused", include_in_schema=False)
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": engine.paused})
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class UpdateWeightsRequest(_Body):
+    path: str = Field(min_length=1)
+
+
+class InitWeightUpdateGroupRequest(_Body):
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
+def add_weight_update_routes(app: FastAPI, engine: Any, guard: Any) -> None:
+    """Register the weight-update routes over ``engine`` (AsyncLLM); ``build_app`` does
+    only when the engine was started with ``--enable-weight-updates``."""
+
+    @app.post("/update_weights", include_in_schema=False)
+    async def update_weights(request: Request) -> JSONResponse:
+        body = await parse_body(request, UpdateWeightsRequest)
+        await guard(engine.update_weights(body.path))
+        return JSONResponse({"status": "updated", "path": body.path})
+
+    @app.post("/init_weight_update_group", include_in_schema=False)
+    async def init_weight_update_group(request: Request) -> JSONResponse:
+        body = await parse_body(request, InitWeightUpdateGroupRequest)
+        await guard(engine.init_weight_update_group(
+            body.master_address, body.master_port, body.rank_offset, body.world_size))
+        return JSONResponse({"status": "joined"})
+
+    @app.post("/update_weights_from_distributed", include_in_schema=False)
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = await parse_body(request, UpdateWeightsFromDistributedRequest)
+        await guard(engine.update_weights_from_distributed(body.names, body.dtypes,
+                                                           body.shapes))
+        return JSONResponse({"status": "updated", "num_tensors": len(body.names)})
