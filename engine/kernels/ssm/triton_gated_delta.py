@@ -1,10 +1,10 @@
-"""Gated DeltaNet, Triton (the accelerator path).
+"""Gated DeltaNet decode step (and a recurrent varlen form), Triton (the accelerator path).
 
 Same semantics and layouts as :mod:`engine.kernels.ssm.gated_delta`. One program per
 (request, value head, block of v_dim) keeps its ``[k_dim, block]`` state in registers
-and applies the delta rule token by token (the recurrent form, as fla's fused recurrent
-kernel); decode is the same kernel with one token per request. The chunked WY form for
-long prefills on tensor cores is not written yet.
+and applies the delta rule token by token (the recurrent form); decode is this kernel
+with one token per request. Prefill goes to the chunked WY form
+(:mod:`engine.kernels.ssm.triton_gated_delta_chunked`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm.triton_gated_delta_chunked import gated_delta_prefill
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
+
+__all__ = ["gated_delta_decode", "gated_delta_prefill", "gated_delta_recurrent"]
 
 _INTERPRETED = interpreting()
 
@@ -57,7 +60,7 @@ def _gated_delta_kernel(
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=smask)
 
 
-def gated_delta_prefill(
+def gated_delta_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -73,7 +76,7 @@ def gated_delta_prefill(
 ) -> torch.Tensor:
     """q/k ``[T, Hk, K]``, v ``[T, Hv, V]``, g/beta ``[T, Hv]`` -> o ``[T, Hv, V]``.
 
-    ``chunk_size`` is accepted for API parity with the torch path (unused here).
+    Token by token (``chunk_size`` is accepted for API parity and ignored).
     """
     del chunk_size
     check_device(_INTERPRETED, q, k, v, g, beta, ssm_state, query_start_loc, state_indices)
@@ -116,6 +119,6 @@ def gated_delta_decode(
 ) -> torch.Tensor:
     """One token per request: q/k ``[R, Hk, K]``, v ``[R, Hv, V]``, g/beta ``[R, Hv]``."""
     qsl = torch.arange(v.shape[0] + 1, dtype=torch.int32, device=v.device)
-    return gated_delta_prefill(
+    return gated_delta_recurrent(
         q, k, v, g, beta, ssm_state, qsl, state_indices, None, use_qk_l2norm, scale
     )

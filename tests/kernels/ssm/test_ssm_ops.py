@@ -193,3 +193,27 @@ def test_triton_mamba2_recurrent_matches_chunked():
 def test_triton_mamba2_several_chunks(dtype):
     """Requests spanning several 16-token chunks, one continuing from its slot."""
     _varlen_check("mamba2", "triton", dtype, [20, 3, 37], [True, False, True], chunk=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_deltanet_several_chunks(dtype):
+    """Requests spanning several 16-token chunks, one continuing from its slot."""
+    _varlen_check("deltanet", "triton", dtype, [20, 3, 37], [True, False, True], chunk=16)
+
+
+def test_triton_deltanet_recurrent_matches_chunked():
+    """The recurrent Triton kernel (decode's) over a varlen prefill, vs the chunked one."""
+    from engine.kernels.ssm import triton_gated_delta
+
+    op = OPS["deltanet"]
+    gen = torch.Generator().manual_seed(4)
+    inputs = op.make(TINY["deltanet"], 7, NUM_SLOTS, torch.float32, gen)
+    pool = inputs["ssm_state"].clone()
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    idx = torch.tensor([5, 1], dtype=torch.int32)
+    hi = torch.tensor([True, False])
+    want = op.prefill(inputs, qsl, idx, hi, "triton", 16)
+    args = [inputs[k] for k in ("q", "k", "v", "g", "beta")]
+    got = triton_gated_delta.gated_delta_recurrent(*args, pool, qsl, idx, hi)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool, inputs["ssm_state"], rtol=1e-4, atol=1e-4)
