@@ -6,10 +6,16 @@ and starts from it when ``has_initial_state[r]`` (a continued prefill), else fro
 Every op updates the slots in place with the final state. Decode ops take one token per
 request (``[R, ...]``) and always read the slot.
 
+``has_initial_state=None`` means every request reads its slot. Every request has at
+least one token; ``state_indices`` are valid slots (no padding ids). States are computed
+in float32 (float64 for float64 inputs) whatever the cache dtype, then stored in it.
+
 Each op here dispatches on the inputs' device: CPU tensors take the bulk-torch
 implementation, accelerator tensors the Triton kernels (imported lazily, so ``import
 engine.kernels.ssm`` never needs triton). ``backend="torch" | "triton"`` forces one (the
-Triton kernels then run on CPU tensors only under ``TRITON_INTERPRET=1``).
+Triton kernels then run on CPU tensors only under ``TRITON_INTERPRET=1``). Triton
+prefill: chunked matmul forms for Mamba-2 and gated DeltaNet, recurrent (state in
+registers) for conv and Mamba-1; Triton decode: the recurrent kernels.
 
 Ops (shapes: T tokens, R requests, H heads, G groups, P head_dim, N d_state):
 

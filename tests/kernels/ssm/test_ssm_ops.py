@@ -27,11 +27,13 @@ def _slice(inputs: dict, keys: tuple[str, ...], rows) -> dict:
     return {k: (v[rows] if k in keys else v) for k, v in inputs.items()}
 
 
-def _varlen_check(op_name, backend, dtype, lens, has_init, chunk):
+def _varlen_check(op_name, backend, dtype, lens, has_init, chunk, state_dtype=None):
     op = OPS[op_name]
     gen = torch.Generator().manual_seed(hash((op_name, tuple(lens))) % 2**31)
     T = sum(lens)
     inputs = op.make(_dims(op_name, backend), T, NUM_SLOTS, dtype, gen)
+    if state_dtype is not None:
+        inputs[op.state_key] = inputs[op.state_key].to(state_dtype)
     pool0 = inputs[op.state_key].clone()
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     idx = torch.tensor([4, 1, 2][: len(lens)], dtype=torch.int32)
@@ -58,6 +60,15 @@ def test_varlen_torch(op_name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_triton(op_name, dtype):
     _varlen_check(op_name, "triton", dtype, [3, 1, 5], [False, True, False], chunk=4)
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bfloat16_state_cache(op_name, backend):
+    """A bfloat16 state cache: read, computed in float32, written back rounded."""
+    lens = [20, 1, 9] if backend == "torch" else [3, 1, 5]
+    _varlen_check(op_name, backend, torch.bfloat16, lens, [True, True, False], chunk=8,
+                  state_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("op_name", list(OPS))
