@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,8 +318,11 @@ def load_model(
     hf_overrides: dict[str, Any] | None = None,
     pooler_config: Any = None,
     model_impl: str = "auto",
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> nn.Module:
-    """Build the model for ``model`` (a directory or checked files) and load its weights.
+    """Build the model for ``model`` (a directory or checked files) and load its weights
+    (``weights``: HF-named tensors to load instead of the directory's, e.g. a trainer's
+    update, :mod:`engine.model_executor.weight_update`).
 
     ``dtype`` is the weights' dtype, ``activation_dtype`` (None: the same) the one the
     model computes in. A quantized checkpoint (or ``quantization``, vLLM's
@@ -365,7 +368,9 @@ def load_model(
         raise ValueError(f"{files.architecture} does not support pipeline parallelism")
     with torch.no_grad():
         net = model_cls(hf_config, ctx)
-        net.load_weights(safetensors_weights_iterator(files.weight_files, lazy=True))
+        if weights is None:
+            weights = safetensors_weights_iterator(files.weight_files, lazy=True)
+        net.load_weights(weights)
         quantized = finish_quantized_layers(net, plan, list(quantized_gemm_kernels))
         for module in net.modules():  # derived weights (MLA's absorbed projections)
             hook = getattr(module, "process_weights_after_loading", None)

@@ -63,48 +63,11 @@ def checkpoint_weights(config: EngineConfig, path: str | Path) -> NamedTensors:
 def build_model(config: EngineConfig, platform: Platform, parallel: Any,
                 weights: NamedTensors) -> tuple[nn.Module, Any]:
     """This rank's model of the running architecture and config, loaded from
-    ``weights`` (HF checkpoint names) and processed as ``load_model`` does; with its
+    ``weights`` (HF checkpoint names) through the steps of a start-up load; with its
     attention backend. ValueError when a tensor is missing, unexpected or misshapen."""
-    from engine.core.plugins import get_plugin_registry
-    from engine.model_executor.layers.linear import pack_dense_weights
-    from engine.model_executor.model_loader import finish_quantized_layers, resolve_dtype
-    from engine.model_executor.models.interface import ModelInitContext
-    from engine.model_executor.worker import activation_dtype
-    from engine.quantization import resolve_quantization
+    from engine.model_executor.worker import load_platform_model
 
-    files = running_model_files(config)
-    hf_config = files.hf_config
-    dtype = resolve_dtype(hf_config, getattr(torch, config.model.dtype))
-    compute = activation_dtype(config, platform, dtype)
-    backend_cls = get_plugin_registry().select_attention_backend(
-        platform, config.device.attention_backend)
-    attn_backend = backend_cls(config.cache.block_size, platform.device())
-    if config.cache.kv_cache_dtype != "auto":
-        attn_backend.set_kv_cache_dtype(config.cache.kv_cache_dtype)
-    plan = resolve_quantization(hf_config, config.model.quantization)
-    ctx = ModelInitContext(
-        dtype=compute, device=platform.device(), attn_backend=attn_backend,
-        quantization=plan, fused_ops=platform.fused_ops(), weight_dtype=dtype,
-        parallel=parallel, moe_kernels=list(platform.fused_moe_kernels()),
-        pooler_config=config.model.pooler_config, model_dir=files.path)
-    model_cls = files.model_cls
-    if config.model.pooler_config is not None:
-        from engine.model_executor.models.adapters import pooling_model_class
-
-        model_cls = pooling_model_class(model_cls, files.architecture,
-                                        config.model.pooler_config)
-    with torch.no_grad():
-        net = model_cls(hf_config, ctx)
-        net.load_weights(weights)
-        finish_quantized_layers(net, plan, list(platform.quantized_gemm_kernels()))
-        for module in net.modules():
-            hook = getattr(module, "process_weights_after_loading", None)
-            if hook is not None:
-                hook()
-        pack_dense_weights(net, list(platform.dense_gemm_kernels()))
-    net.eval()
-    net.requires_grad_(False)
-    return net, attn_backend
+    return load_platform_model(config, platform, parallel, weights=weights)
 
 
 class BroadcastReceiver:

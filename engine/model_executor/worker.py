@@ -43,11 +43,12 @@ def activation_dtype(config: EngineConfig, platform: Platform, dtype: torch.dtyp
     return activation
 
 
-def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any = None
-                        ) -> tuple[torch.nn.Module, Any]:
+def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any = None,
+                        weights: Any = None) -> tuple[torch.nn.Module, Any]:
     """The model of ``config`` loaded for ``platform``: its dtypes checked, its linears on
     the platform's dense and quantized GEMM kernels, its layers on the platform's fused
-    ops and attention backend (returned too). ``parallel``: this rank's shard only."""
+    ops and attention backend (returned too). ``parallel``: this rank's shard only;
+    ``weights``: HF-named tensors instead of the model directory's (a weight update)."""
     dtype = getattr(torch, config.model.dtype)
     activation = activation_dtype(config, platform, dtype)
     for wanted in {dtype, activation}:
@@ -74,6 +75,7 @@ def load_platform_model(config: EngineConfig, platform: Platform, parallel: Any 
         hf_overrides=config.model.hf_overrides,
         model_impl=config.model.model_impl,
         pooler_config=config.model.pooler_config,
+        weights=weights,
     )
     if config.model.batch_invariant:
         scheme = kernel_report.quantization_scheme(model)
