@@ -16,6 +16,13 @@ Sections, each reported on its own so one failure never hides the others:
      the no-MMA path) against the torch reference kernel, then timed at decode (M = 1, 4,
      16) and prefill (M = 2048), K = N = 4096 and 8192, per-channel fp8, 128 x 128 block
      fp8, int8 W8A8 and NVFP4, against torch's bf16 matmul and the HBM roofline;
+  2d. batch-invariant mode (engine/kernels/batch_invariant.py, unified attention with
+     ``batch_invariant=True``): a row's result bit for bit the same alone and among
+     others (GEMM rows at M = 1..2048, RMSNorm, log-softmax, one query token as a lone
+     decode, among 63 decodes, in a 4-token verification and at the end of a prefill
+     chunk), then the price: the invariant GEMM vs cuBLAS (M = 1..2048, Llama-8B shapes),
+     RMSNorm / log-softmax vs torch, attention without split-KV vs the default;
+     ``--skip-batch-invariant`` drops it (~30 s);
   3. end to end: ``python -m engine.cli generate "Once upon a time" --device cuda
      --max-tokens 16 --ignore-eos --json`` on the demo model (engine/assets/demo) or, when
      this tree has none, on a tiny random bf16 Llama built here with transformers into a
@@ -39,7 +46,8 @@ Finishes in about 6 minutes or less (a global deadline skips what is left; secti
 keeps the last ~100 s; sections 2b and 2c take ~60 s each, ``--skip-quant`` drops them).
 Results go to stdout as one table, and to ``$OUT/gpu_check.json`` when ``OUT`` is set.
 
-    ci/gpu_check.sh [--skip-e2e] [--skip-quant] [--peak-bw-tbs 4.8] [--peak-tflops 989]
+    ci/gpu_check.sh [--skip-e2e] [--skip-quant] [--skip-batch-invariant] [--peak-bw-tbs 4.8]
+                    [--peak-tflops 989]
     python ci/gpu_check.py --e2e-only --e2e-device cpu   # check section 3's wiring anywhere
 """
 
@@ -439,6 +447,167 @@ def check_speed(torch, ua, device, peak_tbs, peak_tflops) -> Section:
         )
 
     guarded(section, f"prefill {PREFILL_LEN}", prefill_case, PREFILL_LEN)
+    return section
+
+
+# ---------------------------------------------------------------- 2d. batch-invariant mode
+
+BI_GEMM_SHAPES = ((4096, 4096), (14336, 4096))  # (N, K): Llama-3-8B o_proj, up_proj
+BI_GEMM_M = (1, 16, 64, 256, 2048)
+BI_BATCHES = ((1, 0), (3, 1), (17, 16), (64, 37), (256, 200), (2048, 1500))  # (rows, place)
+
+
+def check_batch_invariant(torch, device, peak_tbs, peak_tflops, small=False) -> Section:
+    """Batch-invariant kernels on the GPU: bitwise invariance, then cost against the
+    default kernels. ``small``: tiny shapes and no timing (a wiring check anywhere, e.g.
+    on the CPU under TRITON_INTERPRET=1)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import batch_invariant as bi
+    from engine.kernels import unified_attention as ua
+
+    section = Section("batch-invariant mode")
+    gen = torch.Generator().manual_seed(7)  # host draws: permutations, lengths
+    dgen = torch.Generator(device=device).manual_seed(7)  # tensors, drawn on the device
+    bf16 = torch.bfloat16
+    hidden, vocab = (96, 1000) if small else (4096, 128256)
+    batches = BI_BATCHES[:4] if small else BI_BATCHES
+
+    def rand(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
+
+    def invariant(fn, target, pool) -> bool:
+        """fn(rows)[place] == fn(target) for the target placed among pool rows."""
+        alone = fn(target)[0]
+        for rows, place in batches:
+            batch = torch.cat([pool[:place], target, pool[place : rows - 1]])
+            if not torch.equal(fn(batch)[place], alone):
+                return False
+        return True
+
+    def gemm_case():
+        w = rand(hidden, hidden)
+        target, pool = rand(1, hidden), rand(batches[-1][0], hidden)
+        ok = invariant(lambda x: bi.matmul(x, w), target, pool)
+        ref = F.linear(target.float(), w.float())
+        err = ((bi.matmul(target, w).float() - ref).abs().max() / ref.abs().max()).item()
+        section.rows.append({"case": f"invariance gemm bf16 {hidden}x{hidden}",
+                             "rel_err": err, "ok": ok and err < 2e-2})
+
+    def norm_case():
+        w = rand(hidden)
+        target, pool = rand(1, hidden), rand(batches[-1][0], hidden)
+        res_t, res_p = rand(1, hidden), rand(batches[-1][0], hidden)
+        plain = invariant(lambda x: bi.rms_norm(x, w, 1e-6), target, pool)
+        both = torch.cat([target, res_t], 1), torch.cat([pool, res_p], 1)
+        fused = invariant(lambda xr: bi.rms_norm(xr[:, :hidden], w, 1e-6,
+                                                 xr[:, hidden:].clone()), *both)
+        section.rows.append({"case": f"invariance rms_norm bf16 {hidden}",
+                             "ok": plain and fused})
+
+    def softmax_case():
+        target, pool = rand(1, vocab, dtype=torch.float32), rand(64, vocab, dtype=torch.float32)
+        ok = invariant(bi.log_softmax, target, pool)
+        err = (bi.log_softmax(target) - torch.log_softmax(target, -1)).abs().max().item()
+        section.rows.append({"case": f"invariance log_softmax fp32 {vocab}",
+                             "max_abs_err": err, "ok": ok and err < 1e-4})
+
+    heads, kv_heads, head, block = (4, 1, 32, 16) if small else (HEADS, KV_HEADS, HEAD_SIZE, BLOCK)
+    ctx = 600 if small else 4096
+
+    def request(seq, q_rows=64):
+        """(q of the last q_rows positions, K, V of all seq positions)."""
+        return rand(q_rows, heads, head), rand(seq, kv_heads, head), rand(seq, kv_heads, head)
+
+    def paged(reqs):
+        """unified_attention's arguments for ``(request, q_len)`` pairs (its last q_len
+        rows), over a cache whose blocks are randomly placed."""
+        seqs = [k.shape[0] for (_, k, _), _ in reqs]
+        per = [-(-s // block) for s in seqs]
+        perm = torch.randperm(sum(per), generator=gen).to(device)
+        cache = torch.empty(2, sum(per), block, kv_heads, head, dtype=bf16, device=device)
+        tables = torch.zeros(len(reqs), max(per), dtype=torch.int32, device=device)
+        used = 0
+        for i, (((_, k, v), _), n) in enumerate(zip(reqs, per)):
+            tables[i, :n] = perm[used : used + n].to(torch.int32)
+            used += n
+            pos = torch.arange(seqs[i], device=device)
+            slot = tables[i].long()[pos // block] * block + pos % block
+            flat = cache.view(2, -1, kv_heads, head)
+            flat[0, slot], flat[1, slot] = k, v
+        q_lens = [ql for _, ql in reqs]
+        q = torch.cat([r[0][r[0].shape[0] - ql:] for r, ql in reqs])
+        qsl = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
+        seq_lens = torch.tensor(seqs, dtype=torch.int32, device=device)
+        return (q, cache, torch.empty_like(q), qsl, seq_lens, tables, max(q_lens), max(seqs),
+                head**-0.5), q_lens
+
+    def attend(reqs, **kwargs):
+        args, q_lens = paged(reqs)
+        return list(ua.unified_attention(*args, **kwargs).split(q_lens))
+
+    def attention_case():
+        target = request(ctx)
+        lengths = torch.randint(1, ctx, (63,), generator=gen).tolist()
+        others = [(request(s, 1), 1) for s in lengths]
+        rows = {}
+        for label, kwargs in (("invariant", {"batch_invariant": True}), ("default", {})):
+            alone = attend([(target, 1)], **kwargs)[0][-1]
+            among = attend(others[:31] + [(target, 1)] + others[31:], **kwargs)[31][-1]
+            verify = attend([(target, 4)], **kwargs)[0][-1]
+            chunk = attend([others[0], (target, 64)], **kwargs)[1][-1]
+            rows[label] = [torch.equal(r, alone) for r in (among, verify, chunk)]
+        section.rows.append({"case": f"invariance attention bf16 ctx={ctx} (batch, verify, "
+                                     "chunk)", "invariant": rows["invariant"],
+                             "default_mode": rows["default"], "ok": all(rows["invariant"])})
+
+    for label, fn in (("gemm", gemm_case), ("rms_norm", norm_case),
+                      ("log_softmax", softmax_case), ("attention", attention_case)):
+        guarded(section, f"batch-invariant {label}", fn)
+    if small:
+        return section
+
+    def gemm_speed(n, k, m):
+        w, x = rand(n, k), rand(m, k)
+        t_ours = bench_ms(lambda: bi.matmul(x, w))
+        t_blas = bench_ms(lambda: F.linear(x, w))
+        flops, weight_bytes = 2 * m * n * k, 2 * n * k
+        section.rows.append({"case": f"gemm m={m} n={n} k={k}", "ours_ms": t_ours,
+                             "cublas_ms": t_blas, "slowdown_vs_cublas": t_ours / t_blas,
+                             "ours_tflops": flops / t_ours / 1e9,
+                             "pct_peak_tflops": 100 * flops / t_ours / 1e9 / peak_tflops,
+                             "pct_peak_bw": 100 * weight_bytes / t_ours / 1e9 / peak_tbs})
+
+    for n, k in BI_GEMM_SHAPES:
+        for m in BI_GEMM_M:
+            guarded(section, f"gemm speed m={m} n={n}", gemm_speed, n, k, m)
+
+    def row_op_speed(label, ours, theirs):
+        t_ours, t_torch = bench_ms(ours), bench_ms(theirs)
+        section.rows.append({"case": label, "ours_ms": t_ours, "torch_ms": t_torch,
+                             "slowdown_vs_torch": t_ours / t_torch})
+
+    for m in (1, 64, 2048):
+        x, w = rand(m, hidden), rand(hidden)
+        guarded(section, f"rms_norm speed m={m}", row_op_speed, f"rms_norm m={m}",
+                lambda x=x, w=w: bi.rms_norm(x, w, 1e-6),
+                lambda x=x, w=w: F.rms_norm(x, (hidden,), w, 1e-6))
+    logits = rand(64, vocab, dtype=torch.float32)
+    guarded(section, "log_softmax speed", row_op_speed, f"log_softmax 64x{vocab}",
+            lambda: bi.log_softmax(logits), lambda: torch.log_softmax(logits, -1))
+
+    def attention_speed(batch, seq, q_len):
+        args, _ = paged([(request(seq, q_len), q_len) for _ in range(batch)])
+        t_inv = bench_ms(lambda: ua.unified_attention(*args, batch_invariant=True))
+        t_def = bench_ms(lambda: ua.unified_attention(*args))
+        section.rows.append({"case": f"attention b={batch} ctx={seq} q={q_len}",
+                             "ours_ms": t_inv, "default_ms": t_def,
+                             "slowdown_vs_default": t_inv / t_def})
+
+    for batch, seq, q_len in ((1, 32768, 1), (64, 8192, 1), (1, 2048, 2048)):
+        guarded(section, f"attention speed b={batch} ctx={seq}", attention_speed, batch, seq,
+                q_len)
+        torch.cuda.empty_cache()
     return section
 
 
@@ -970,6 +1139,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-quant", action="store_true", help="skip sections 2b, 2c")
+    parser.add_argument("--skip-batch-invariant", action="store_true", help="skip section 2d")
     parser.add_argument("--e2e-only", action="store_true", help="only section 3 (no GPU needed)")
     parser.add_argument("--e2e-device", default="cuda", help="--device for engine generate")
     parser.add_argument("--peak-bw-tbs", type=float, default=4.8, help="HBM TB/s (H200: 4.8)")
@@ -1008,6 +1178,11 @@ def main() -> int:
                              args.peak_bw_tbs, args.peak_tflops)
         if fp_section is not None:
             sections.append(fp_section)
+    if not args.skip_batch_invariant:
+        bi_section = guarded(sections[-1], "batch-invariant section", check_batch_invariant,
+                             torch, device, args.peak_bw_tbs, args.peak_tflops)
+        if bi_section is not None:
+            sections.append(bi_section)
     if not args.skip_e2e:
         reserved_s = 0.0
         torch.cuda.empty_cache()  # the engine process sizes its KV cache from free memory

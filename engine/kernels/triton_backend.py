@@ -18,6 +18,14 @@ prefill chunks included; ``n = 1`` forces the single-pass kernel. Unset: decided
 The engine builds its backend from the platform, so the variable is the way to reach it
 end to end, e.g. ``ENGINE_TRITON_NUM_KV_SPLITS=4 engine generate ... --device cuda``.
 
+Batch-invariant mode (``engine.core.batch_invariance``, read when the backend is
+constructed, or the constructor's ``batch_invariant``): a query's reduction over its keys
+runs in one order in a prefill chunk, a decode or a speculative verification, at any
+batch size. Every step then runs the single-pass kernel (no split-KV; forcing splits is
+an error) with one tile shape (``unified_attention(batch_invariant=True)``); MLA and
+encoder layers get fixed tile shapes too (theirs otherwise follow the step's longest
+query / request).
+
 Importing this module needs no triton; constructing the backend does, and says so.
 """
 
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from engine.core.batch_invariance import batch_invariant_enabled
 from engine.core.interfaces.attention import (
     AttentionBackend,
     AttentionBatch,
@@ -80,6 +89,7 @@ class TritonAttentionMetadata:
     max_seq_len: int
     num_kv_splits: int  # 1 = single pass; > 1 = split-KV with that many splits
     workspace: SplitKVWorkspace  # split-KV partial buffers, reused across layers/steps
+    batch_invariant: bool = False  # one tile shape for every step, never split-KV
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -133,6 +143,7 @@ class TritonAttentionImpl(AttentionImpl):
             v_scale=self.v_scale,
             attention_chunk_size=spec.attention_chunk_size,
             sinks=self._sink_logits(query.device),
+            batch_invariant=metadata.batch_invariant,
         )
 
     def _sink_logits(self, device: torch.device) -> torch.Tensor | None:
@@ -157,6 +168,9 @@ class TritonAttentionImpl(AttentionImpl):
             raise ValueError("an encoder (non-causal) layer needs its own key and value; "
                              "it keeps no KV cache to share")
         spec = self.spec
+        block_m = tile = None
+        if metadata.batch_invariant:
+            block_m, tile = _encoder_invariant_tiles(query, key)
         return self._encoder_attention(
             query,
             key,
@@ -166,6 +180,8 @@ class TritonAttentionImpl(AttentionImpl):
             spec.scale,
             sliding_window=spec.sliding_window,
             logits_soft_cap=spec.logits_soft_cap,
+            block_m=block_m,
+            tile_size=tile,
         )
 
 
@@ -192,6 +208,9 @@ class TritonMLAAttentionImpl(AttentionImpl):
         if key is not None:
             self._write_cache(key, kv_cache, metadata.slot_mapping)
         spec = self.spec
+        block_m = None
+        if metadata.batch_invariant:
+            block_m = _mla_invariant_block_m(query, spec.kv_lora_rank)
         return self._attention(
             query,
             kv_cache,
@@ -201,7 +220,30 @@ class TritonMLAAttentionImpl(AttentionImpl):
             metadata.max_query_len,
             spec.kv_lora_rank,
             spec.scale,
+            block_m=block_m,
         )
+
+
+def _encoder_invariant_tiles(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
+    """Encoder tiles for batch-invariant mode: the shape for an unbounded request length
+    (by default they shrink to the step's longest request, which follows the batch)."""
+    from engine.kernels.encoder_attention import MIN_DOT, _launch_config
+    from engine.kernels.triton_utils import next_power_of_2
+
+    qpk_pad = next_power_of_2(query.shape[1] // key.shape[1])
+    head_pad = max(MIN_DOT, next_power_of_2(query.shape[2]))
+    config = _launch_config(1 << 30, qpk_pad, head_pad, query.dtype)
+    return config.block_m, config.tile
+
+
+def _mla_invariant_block_m(query: torch.Tensor, kv_lora_rank: int) -> int:
+    """MLA's query-row tile for batch-invariant mode: the prefill one for every step (by
+    default a pure-decode step takes a shorter one). Its key tile never varies."""
+    from engine.kernels.mla_attention import MIN_DOT, launch_config
+    from engine.kernels.triton_utils import next_power_of_2
+
+    lora_pad = max(MIN_DOT, next_power_of_2(kv_lora_rank))
+    return launch_config(query.shape[1], 2, lora_pad, query.dtype).block_m
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -216,10 +258,12 @@ class TritonAttentionBackend(AttentionBackend):
         device: torch.device,
         num_compute_units: int | None = None,
         num_kv_splits: int | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         """``num_compute_units``: SMs/CUs used to size split-KV (probed when None);
         ``num_kv_splits``: force a split count every step (None: ``ENGINE_TRITON_NUM_KV_SPLITS``
-        if set, else decide per step)."""
+        if set, else decide per step); ``batch_invariant``: None follows the process's
+        batch-invariant mode."""
         require_triton()
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -227,6 +271,12 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits = forced_num_kv_splits_from_env()
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+        if batch_invariant is None:
+            batch_invariant = batch_invariant_enabled()
+        if batch_invariant and num_kv_splits is not None and num_kv_splits > 1:
+            raise ValueError(
+                f"batch-invariant mode cannot split the keys (num_kv_splits={num_kv_splits}, "
+                f"or {NUM_KV_SPLITS_ENV}): split-KV shares follow the batch")
         super().__init__(block_size, torch.device(device))
         from engine.kernels.split_kv import SplitKVWorkspace, choose_num_kv_splits
 
@@ -234,6 +284,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspace = SplitKVWorkspace()
         self.num_compute_units = num_compute_units or compute_units(self.device)
         self.forced_num_kv_splits = num_kv_splits
+        self.batch_invariant = bool(batch_invariant)
         self._num_kv_heads = 1  # the widest layer made so far sizes the split decision
 
     @classmethod
@@ -318,7 +369,9 @@ class TritonAttentionBackend(AttentionBackend):
         return None
 
     def build_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
-        if self.forced_num_kv_splits is not None:
+        if self.batch_invariant:
+            splits = 1
+        elif self.forced_num_kv_splits is not None:
             splits = self.forced_num_kv_splits
         else:
             splits = self._choose_num_kv_splits(
@@ -339,6 +392,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=batch.max_seq_len,
             num_kv_splits=splits,
             workspace=self._workspace,
+            batch_invariant=self.batch_invariant,
         )
 
     def make_impl(self, spec: AttentionLayerSpec) -> TritonAttentionImpl | TritonMLAAttentionImpl:

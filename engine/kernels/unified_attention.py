@@ -32,6 +32,16 @@ Split-KV (flash-decoding): with ``num_kv_splits > 1`` each program handles only 
 share of its key tiles and writes partial (max, sum, unnormalised output) rows; a second
 kernel merges the shares. It pays off when ``requests x kv heads`` programs cannot fill
 the device, i.e. few long decodes; :func:`choose_num_kv_splits` decides.
+
+Batch-invariant mode (``batch_invariant=True``): a query row's keys are reduced in one
+order whatever its step. Tiles start at key position 0 (or at the window / chunk start,
+rounded down to a tile) and hold ``TILE`` consecutive positions, so their boundaries
+depend on key positions only; tiles past a row's own position are fully masked for it
+and leave its running max, sum and output bit-for-bit unchanged (``exp2(-inf) = 0``,
+``alpha = 1``). What still depends on the step is excluded: split-KV (shares sized to
+the batch) is refused, and the tile shape (:func:`batch_invariant_launch_config`) is one
+for prefill chunks, decodes and speculative verification rows alike, so every ``tl.dot``
+and row sum a row takes part in has the same shape.
 """
 
 from __future__ import annotations
@@ -266,6 +276,15 @@ def _launch_config(
     return _LaunchConfig(max(block_m, qpk_pad), 32, 4, 2)
 
 
+def batch_invariant_launch_config(
+    qpk_pad: int, head_pad: int, dtype: torch.dtype
+) -> _LaunchConfig:
+    """The one tile shape of batch-invariant mode, whatever the step's query lengths: the
+    prefill shape (a decode then fills fewer of its rows, which costs idle MMA lanes in a
+    memory-bound loop, not bandwidth)."""
+    return _launch_config(2, qpk_pad, head_pad, dtype)
+
+
 def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """The dtype fed to tl.dot (fp32 accumulation always) and its fp32 precision mode."""
     if _INTERPRETED or dtype == torch.float32:
@@ -343,6 +362,7 @@ def unified_attention(
     v_scale: float = 1.0,
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of ``q`` [T, num_heads, head_size] into ``out`` (returned).
 
@@ -352,6 +372,8 @@ def unified_attention(
     ``k_scale`` / ``v_scale``: an fp8 cache's (K = k_scale * code), ignored otherwise.
     ``attention_chunk_size``: chunked local attention (a query at position p sees keys
     ``C * (p // C) ..= p``); ``sinks``: float32 ``[num_heads]`` sink logits.
+    ``batch_invariant``: one tile shape for every step and no split-KV (None splits mean
+    1; more is an error), so a row's result does not depend on its batch or step.
     """
     _validate(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
     check_cache_dtype(kv_cache, k_scale, v_scale)
@@ -377,7 +399,14 @@ def unified_attention(
     qpk = num_heads // num_kv_heads
     qpk_pad = next_power_of_2(qpk)
     head_pad = next_power_of_2(head_size)
-    config = _launch_config(max_query_len, qpk_pad, head_pad, q.dtype)
+    if batch_invariant:
+        if num_kv_splits is not None and num_kv_splits > 1:
+            raise ValueError("batch-invariant attention cannot split the keys (split-KV "
+                             f"shares follow the batch), got num_kv_splits={num_kv_splits}")
+        num_kv_splits = 1
+        config = batch_invariant_launch_config(qpk_pad, head_pad, q.dtype)
+    else:
+        config = _launch_config(max_query_len, qpk_pad, head_pad, q.dtype)
     rows = block_m if block_m is not None else config.block_m
     tile = tile_size if tile_size is not None else config.tile
     if rows < qpk_pad or rows & (rows - 1) or tile & (tile - 1):

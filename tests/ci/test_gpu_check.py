@@ -58,3 +58,28 @@ def test_e2e_section_runs_engine_generate_and_reports_tokens_per_second(tmp_path
         assert row["tok_s_incl_startup"] == pytest.approx(16 / row["engine_s"])
     assert split["same_tokens_as_auto"] is True
     assert "RESULT: PASS" in proc.stdout
+
+
+@pytest.mark.slow
+def test_batch_invariant_section_wiring_on_tiny_cpu_shapes() -> None:
+    """Section 2d's invariance checks run (tiny shapes, interpreted kernels, no timing)
+    without the engine's service dependencies."""
+    code = (
+        "import sys, importlib.util\n"
+        "for name in ('pydantic', 'pydantic_core', 'msgspec', 'zmq', 'fastapi', 'uvicorn'):\n"
+        "    sys.modules[name] = None\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_check', {str(SCRIPT)!r})\n"
+        "module = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "module.import_kernels()\n"
+        "import torch\n"
+        "s = module.check_batch_invariant(torch, torch.device('cpu'), 4.8, 989, small=True)\n"
+        "print(s.errors, [row['ok'] for row in s.rows])\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[] [True, True, True, True]"

@@ -16,7 +16,7 @@ from engine.plugins.gpu_memory import gpu_kv_cache_bytes
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.interfaces import AttentionBackend, Communicator
+    from engine.core.interfaces import AttentionBackend, Communicator, FusedOps
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 ONECCL_MODULE = "oneccl_bindings_for_pytorch"
@@ -134,6 +134,20 @@ class XPUPlatform(Platform):
         from engine.kernels.triton_backend import TritonAttentionBackend
 
         return [TritonAttentionBackend]
+
+    def dense_gemm_kernels(self) -> list[type[Any]]:
+        """Batch-invariant mode: the invariant Triton GEMM first (engine.kernels.
+        batch_invariant); otherwise none (F.linear)."""
+        from engine.kernels.batch_invariant_ops import batch_invariant_dense_gemm_kernels
+
+        return batch_invariant_dense_gemm_kernels()
+
+    def fused_ops(self) -> FusedOps | None:
+        """Batch-invariant mode: a per-row Triton RMSNorm (engine.kernels.
+        batch_invariant_ops); otherwise None (the layers' torch ops)."""
+        from engine.kernels.batch_invariant_ops import batch_invariant_fused_ops
+
+        return batch_invariant_fused_ops()
 
     def fused_moe_kernels(self) -> list[type[Any]]:
         from engine.kernels.offers import triton_fused_moe_kernels
