@@ -30,3 +30,20 @@ def model_dir_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(model_dir_factory) -> Path:
     return model_dir_factory("llama-gqa")
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariance_off_after_each_test():
+    """An in-process ``LLM(batch_invariant=True)`` turns the mode on in this process (the
+    worker's switch, and the CPU kernels' C global): back to the environment's default
+    after the test, so later kernel tests see the kernels' normal schedules."""
+    yield
+    from engine.core import batch_invariance
+
+    if batch_invariance._enabled is None:
+        return
+    batch_invariance._enabled = None
+    from engine.plugins.cpu import native
+
+    for kernels in native._LOADED.values():
+        kernels.set_batch_invariant(False)

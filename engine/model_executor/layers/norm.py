@@ -13,7 +13,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.core.batch_invariance import batch_invariant_enabled
 from engine.core.interfaces import FusedOps
+
+
+def _accelerator_invariant_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                gemma: bool) -> torch.Tensor | None:
+    """Batch-invariant mode on an accelerator: the one-program-per-row Triton RMSNorm
+    (torch's GPU kernels may split a row when rows are few). None elsewhere: torch's CPU
+    rms_norm already reduces a row on one thread in one order."""
+    if x.device.type == "cpu" or not batch_invariant_enabled():
+        return None
+    from engine.kernels import batch_invariant
+
+    if not batch_invariant.triton_batch_invariant_available(x.device):
+        return None
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return batch_invariant.rms_norm(rows, weight, eps, gemma=gemma).view(x.shape)
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +52,9 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel normalizes in float32 and returns x's dtype: bit-identical
         # to HF's op-by-op version, in one pass instead of five.
+        invariant = _accelerator_invariant_norm(x, self.weight, self.eps, gemma=False)
+        if invariant is not None:
+            return invariant
         return F.rms_norm(x, self.weight.shape, None, self.eps) * self.weight
 
     def forward(
@@ -75,6 +94,9 @@ class GemmaRMSNorm(RMSNorm):
             self.weight.zero_()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        invariant = _accelerator_invariant_norm(x, self.weight, self.eps, gemma=True)
+        if invariant is not None:
+            return invariant
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.core.scheduler.output import LogprobsLists
+from engine.model_executor.sampling import row_softmax
 
 
 @dataclass
@@ -115,7 +116,7 @@ def compute_prompt_logprobs(
     ids = next_token_ids.to(device=logits.device, dtype=torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    raw = row_softmax.log_softmax(logits)
     tensors = gather_logprobs(raw, ids, k)
     return LogprobsLists(
         token_ids=tensors.token_ids.tolist(),

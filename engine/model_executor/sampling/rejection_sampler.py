@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.model_executor.sampling import row_softmax
 from engine.model_executor.sampling.logprobs import LogprobsTensors, gather_logprobs
 from engine.model_executor.sampling.metadata import SamplingMetadata
 from engine.model_executor.sampling.sampler import exponential_race, process_logits, torch_argmax
@@ -173,7 +174,7 @@ def _target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     if metadata.min_p is not None:
         apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-    return logits.softmax(dim=-1, dtype=torch.float32)
+    return row_softmax.softmax(logits)
 
 
 def _uniforms(metadata: SamplingMetadata, draft_rows: torch.Tensor, device: torch.device

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.interfaces import FusedOps
+from engine.model_executor.sampling import row_softmax
 from engine.model_executor.sampling.logits_processors import (
     apply_allowed_token_ids,
     apply_banned_tokens,
@@ -89,7 +90,7 @@ def process_logits(
     logits = _as_float32_logits(logits, metadata)
     raw_logprobs = None
     if metadata.max_num_logprobs is not None:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw_logprobs = row_softmax.log_softmax(logits)
     apply_logits_processors(logits, metadata, token_bitmask)
     if metadata.penalties is not None:
         apply_batch_penalties(logits, metadata.penalties)
@@ -128,7 +129,7 @@ def sample(
     if metadata.min_p is not None:
         apply_min_p(logits, metadata.min_p)
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    probs = row_softmax.softmax(logits)
     drawn = exponential_race(probs, metadata.generators, argmax)
     if greedy is None:
         return drawn

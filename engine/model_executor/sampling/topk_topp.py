@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import torch
 
+from engine.model_executor.sampling import row_softmax
+
 _NEG_INF = float("-inf")
 TOP_P_CANDIDATES = 256
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     """Drop tokens whose probability is below ``min_p * max_prob`` of their row."""
-    probs = logits.softmax(dim=-1)
+    probs = row_softmax.softmax(logits)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     logits.masked_fill_(probs < threshold, _NEG_INF)
 
@@ -97,7 +99,7 @@ def top_k_top_p_by_sort(
         kth = sorted_logits.gather(1, kth_index)
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        cumulative = row_softmax.softmax(sorted_logits).cumsum(dim=-1)
         drop = cumulative <= (1.0 - top_p).unsqueeze(1)
         drop[:, -1] = False  # the most likely token always stays
         sorted_logits.masked_fill_(drop, _NEG_INF)
