@@ -60,6 +60,7 @@ class EngineCore:
             num_micro_batches=self.executor.max_concurrent_batches,
             kv_connector=self.kv_connector,
             kv_cache_groups=self.executor.kv_cache_layout.groups,
+            num_state_slots=self.executor.kv_cache_layout.num_state_slots,
         )
         # Pipeline parallelism: up to one step in flight per stage (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches

@@ -27,6 +27,11 @@ class ForwardContext:
     # A hybrid model's metadata per layer (its KV cache group's block tables and cache
     # slots), by layer index; None: every layer reads ``attn_metadata``.
     layer_attn_metadata: list[Any] | None = None
+    # A model with state layers (Mamba mixers): the step's StateMetadata
+    # (engine.model_executor.state_cache) and each state layer's state tensors, by state
+    # layer index; None: no state layers.
+    state_metadata: Any = None
+    state_caches: list[tuple[torch.Tensor, ...]] | None = None
 
     def metadata_for(self, layer_index: int) -> Any:
         """The attention metadata of the layer whose cache is ``kv_caches[layer_index]``."""

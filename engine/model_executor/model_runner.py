@@ -34,6 +34,11 @@ from engine.model_executor.input_batch import InputBatch, StepIndices, segment_o
 from engine.model_executor.sampling import Sampler, SamplingState, compute_prompt_logprobs
 from engine.model_executor.sampling.rejection_sampler import RejectionSampler
 from engine.model_executor.sampling.state import SpecLayout
+from engine.model_executor.state_cache import (
+    allocate_state_caches,
+    build_state_metadata,
+    model_state_spec,
+)
 from engine.structured_output.bitmask import bitmask_for_sampling_rows, bitmask_for_spec_rows
 
 if TYPE_CHECKING:
@@ -155,6 +160,12 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None and kv_connector.uses_layer_hooks:
             enforce_eager = True  # the per-layer hooks run in Python
+        # State layers (Mamba mixers): their per-slot states, beside the KV cache. Such
+        # models run eagerly (the decode graphs know only attention metadata).
+        self.state_spec = model_state_spec(model)
+        self.state_caches: list[tuple[torch.Tensor, ...]] = []
+        if self.state_spec is not None:
+            enforce_eager = True
         # Pipeline position (engine.distributed.ParallelState; None: the whole model).
         self.pp = None if parallel is None or parallel.pp_size == 1 else parallel.pp
         self.is_first_stage = self.pp is None or self.pp.rank == 0
@@ -194,6 +205,9 @@ class ModelRunner:
             self.proposer.allocate_kv_cache(num_blocks)
         shape = spec.cache_shape(self.attn_backend, num_blocks, self.block_size)
         self.kv_caches = self.attn_backend.allocate_kv_cache(shape, spec.dtype, spec.num_layers)
+        if self.state_spec is not None:
+            self.state_caches = allocate_state_caches(
+                self.state_spec, self.input_batch.max_num_reqs, self.device)
         if self._layer_groups is not None:
             # Hybrid: spec.num_layers is the group size; layer j of every group shares
             # cache tensor j (the groups hold disjoint block ids).
@@ -222,6 +236,7 @@ class ModelRunner:
 
         self.decode_graphs = None
         self.kv_caches = []
+        self.state_caches = []
         if self.proposer is not None:
             self.proposer.free_kv_cache()
         models = [self.model, getattr(self.proposer, "model", None)]
@@ -295,6 +310,7 @@ class ModelRunner:
                 new.output_token_ids,
                 new.block_ids,
                 new.num_computed_tokens,
+                state_slot=new.state_slot,
             )
             params = new.sampling_params
             self.sampling_state.add_request(
@@ -422,10 +438,20 @@ class ModelRunner:
         if self.pp is None:
             layer_metadata = None if self._layer_groups is None else build_layer_metadata(
                 self.attn_backend, step, metadata, self._layer_groups, self._upload)
-            with set_forward_context(ForwardContext(metadata, self.kv_caches,
-                                                    self._layer_hooks, layer_metadata)):
+            ctx = ForwardContext(metadata, self.kv_caches, self._layer_hooks, layer_metadata)
+            if self.state_caches:
+                ctx.state_metadata = self._state_metadata(step)
+                ctx.state_caches = self.state_caches
+            with set_forward_context(ctx):
                 return self.model(input_ids, positions)
         return self._forward_stage(metadata, input_ids, positions)
+
+    def _state_metadata(self, step: StepIndices) -> Any:
+        """The step's slots and whether each request continues from its state."""
+        batch = self.input_batch
+        return build_state_metadata(batch.state_slots[step.rows],
+                                    batch.num_computed_tokens[step.rows],
+                                    step.query_start_loc, step.max_query_len, self._upload)
 
     def _forward_stage(self, metadata: Any, input_ids: torch.Tensor, positions: torch.Tensor
                        ) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ ranks), then ``execute_model`` once per step.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Any
@@ -25,6 +26,7 @@ from engine.model_executor import kernel_report
 from engine.model_executor.model_loader import load_model
 from engine.model_executor.model_runner import KVCacheSpec, ModelRunner
 from engine.model_executor.models.transformers_backend.support import implementation_of
+from engine.model_executor.state_cache import model_state_spec
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class Worker:
         self.layout = None if parallel is None else parallel.layout
         self.runner: ModelRunner | None = None
         self.proposer = None
+        self.state_spec = None  # the model's state (Mamba) layers, set by load()
 
     @property
     def is_output_rank(self) -> bool:
@@ -127,6 +130,10 @@ class Worker:
         # A draft's KV cache shares the block ids: every block costs both.
         self.draft_kv_spec = None if self.proposer is None else self.proposer.kv_cache_spec()
         self.kv_cache_layout = self._kv_cache_layout(spec)
+        self.state_spec = self._check_state_layers()
+        if self.state_spec is not None:  # one state slot per seat
+            self.kv_cache_layout = dataclasses.replace(
+                self.kv_cache_layout, num_state_slots=config.scheduler.max_num_seqs)
         # One cache tensor per layer of a group: with several groups a block id costs the
         # layers of one group, not of the whole model.
         self.kv_spec = KVCacheSpec(self.kv_cache_layout.group_size, spec.num_kv_heads,
@@ -170,6 +177,26 @@ class Worker:
                         "every block", why_not)
         return layout
 
+    def _check_state_layers(self) -> Any:
+        """The model's state layers (engine.model_executor.state_cache), refusing what
+        cannot keep a per-request state right; None: the model has none."""
+        state_spec = model_state_spec(self.model)
+        if state_spec is None:
+            return None
+        if self.proposer is not None:
+            raise ValueError("speculative decoding is not supported for models with state "
+                             "(Mamba) layers: a rejected draft would need its state rolled back")
+        if self.config.kv_transfer is not None:
+            raise ValueError("KV connectors move KV blocks, not the per-request state of "
+                             "state (Mamba) layers: not supported for this model")
+        return state_spec
+
+    def state_bytes(self) -> int:
+        """The state caches' bytes: every slot, the null slot included."""
+        if getattr(self, "state_spec", None) is None:
+            return 0
+        return self.state_spec.bytes_per_slot() * (self.kv_cache_layout.num_state_slots + 1)
+
     def kv_block_bytes(self) -> int:
         block_size = self.config.cache.block_size
         block_bytes = self.kv_spec.block_bytes(block_size)
@@ -184,10 +211,21 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         block_bytes = self.kv_block_bytes()
-        if block_bytes == 0:  # an encoder keeps no KV: blocks only count its tokens
+        state_bytes = self.state_bytes()  # the state layers' slots come off the budget
+        budget = None
+        if state_bytes:
+            budget = self.platform.kv_cache_bytes(cache, self.weights_bytes) - state_bytes
+            if budget < 0:
+                raise ValueError(
+                    f"the state caches of {self.kv_cache_layout.num_state_slots} requests "
+                    f"need {state_bytes / 2**20:.1f} MiB, more than the KV cache budget; "
+                    "lower max_num_seqs or raise the KV cache size")
+        if block_bytes == 0:  # no KV layers (encoders, Mamba): blocks only count tokens
             sched = self.config.scheduler
             return -(-sched.max_model_len // cache.block_size) * sched.max_num_seqs + 1
-        return self.platform.kv_cache_bytes(cache, self.weights_bytes) // block_bytes
+        if budget is None:
+            budget = self.platform.kv_cache_bytes(cache, self.weights_bytes)
+        return budget // block_bytes
 
     def initialize_cache(self, num_blocks: int) -> None:
         config = self.config
@@ -232,6 +270,11 @@ class Worker:
             self.weights_bytes / 2**20,
             num_blocks, config.cache.block_size,
         )
+        if self.state_spec is not None:
+            logger.info("%d state layers: %d state slots of %d bytes per request (%.1f MiB), "
+                        "KV cache for %d attention layers", self.state_spec.num_layers,
+                        self.kv_cache_layout.num_state_slots, self.state_spec.bytes_per_slot(),
+                        self.state_bytes() / 2**20, self.kv_cache_layout.num_layers)
         if self.kv_cache_layout.num_groups > 1 or self.kv_cache_layout.is_hybrid:
             info = self.kv_cache_info()
             logger.info("%s; a block id costs %d of %d layers (%.0f%% of the memory of one "
@@ -250,6 +293,10 @@ class Worker:
             "layers_per_block": layout.group_size,
             "block_bytes": self.kv_spec.block_bytes(block_size),
             "one_group_block_bytes": self.full_kv_spec.block_bytes(block_size),
+            "num_state_layers": 0 if self.state_spec is None else self.state_spec.num_layers,
+            "state_bytes_per_request": (0 if self.state_spec is None
+                                        else self.state_spec.bytes_per_slot()),
+            "state_slots": layout.num_state_slots,
         }
 
     def execute_model(

@@ -140,6 +140,14 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                     num_key_value_heads=2, sliding_window=8, logit_scale=0.5,
                     layer_norm_eps=1e-5, tie_word_embeddings=True,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Mamba-2: 8 heads of 16 (expand 2), 2 groups, d_state 16, SSD chunks of 16.
+    "mamba2": dict(arch="Mamba2ForCausalLM", num_heads=8, head_dim=16, expand=2, n_groups=2,
+                   state_size=16, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5),
+    # Bamba: 4 layers, attention at 1 (RoPE on half of each head), Mamba-2 elsewhere.
+    "bamba": dict(arch="BambaForCausalLM", num_hidden_layers=4, attn_layer_indices=[1],
+                  num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                  mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                  mamba_expand=2, mamba_chunk_size=16),
 }
 
 

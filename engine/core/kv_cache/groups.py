@@ -18,6 +18,11 @@ per request, all drawing block ids from one shared :class:`BlockPool`:
   block in their place.
 
 A model with one attention kind has one group: the plain paged cache, no overhead.
+
+A model with state layers (Mamba mixers) groups only its attention layers here (layer
+indices count attention layers only; a pure state-space model has one empty group whose
+blocks cost nothing); its per-request states take ``num_state_slots`` slots instead
+(:mod:`engine.core.kv_cache.state_slots`).
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ class KVCacheLayout:
 
     groups: tuple[KVCacheGroupSpec, ...]
     num_layers: int
+    # Per-request state slots of a model with state layers (0: it has none).
+    num_state_slots: int = 0
 
     @property
     def num_groups(self) -> int:

@@ -18,6 +18,11 @@ table per group; block ids come back per group (``tuple[list[int], ...]``, one l
 group, also with a single group). A prefix hit is the longest prefix every group can
 serve: the full groups' runs of cached blocks, cut back until each windowed group has the
 blocks the next query reads.
+
+A model with state layers (Mamba, DeltaNet) also holds one state slot per request
+(:mod:`engine.core.kv_cache.state_slots`, ``num_state_slots`` > 0): taken at the
+request's first allocation, given back by :meth:`KVCacheManager.free`. Its KV cache
+groups then cover only its attention layers (none for a pure state-space model).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from engine.core.kv_cache.block_pool import BlockPool
 from engine.core.kv_cache.group_manager import GroupKVManager
 from engine.core.kv_cache.groups import KVCacheGroupSpec
 from engine.core.kv_cache.hashing import update_block_hashes
+from engine.core.kv_cache.state_slots import StateSlotAllocator
 from engine.core.kv_cache.stats import PrefixCacheStats
 from engine.core.request import Request
 
@@ -42,11 +48,12 @@ GroupBlocks = tuple[list[KVCacheBlock], ...]  # per group
 class KVCacheManager:
     """``groups``: the model's KV cache groups (None: one full-attention group);
     ``max_step_tokens``: the most tokens one step writes for a request (bounds what a
-    windowed group holds, for :attr:`max_num_tokens`)."""
+    windowed group holds, for :attr:`max_num_tokens`); ``num_state_slots``: per-request
+    state slots of a model with state layers (0: none)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: tuple[KVCacheGroupSpec, ...] | None = None,
-                 max_step_tokens: int | None = None) -> None:
+                 max_step_tokens: int | None = None, num_state_slots: int = 0) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
         self.block_size = block_size
@@ -56,6 +63,7 @@ class KVCacheManager:
         self.group_managers = [GroupKVManager(spec, gid, self.block_pool, block_size)
                                for gid, spec in enumerate(self.groups)]
         self._max_step_tokens = max_step_tokens
+        self.state_slots = StateSlotAllocator(num_state_slots) if num_state_slots else None
         self._max_num_tokens = self._compute_max_num_tokens()
         self.prefix_cache_stats = PrefixCacheStats()  # since make_prefix_cache_stats()
         self.total_prefix_cache_stats = PrefixCacheStats()  # since construction
@@ -198,6 +206,9 @@ class KVCacheManager:
                             if block.ref_cnt == 0 and not block.is_null)
         if sum(num_new) + num_free_hits > self.block_pool.num_free_blocks:
             return None
+        slots = self.state_slots
+        if slots is not None and slots.allocate(request_id) is None:
+            return None  # more requests than state slots: nothing was allocated
 
         # Touch every group's hits before allocating, so the allocation cannot evict them.
         self.block_pool.touch(b for h in hits for b in h if not b.is_null)
@@ -226,10 +237,17 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its prefix stays cached longest."""
         for manager in reversed(self.group_managers):
             manager.free(request.request_id)
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
 
     # -- queries ----------------------------------------------------------------------------
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self.group_managers[0].req_to_blocks
+
+    def get_state_slot(self, request_id: str) -> int | None:
+        """The request's state slot (None: the model has no state layers, or it holds
+        none)."""
+        return None if self.state_slots is None else self.state_slots.slot_of(request_id)
 
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return tuple(m.req_to_blocks.get(request_id, []) for m in self.group_managers)

@@ -34,6 +34,8 @@ BUILTINS = {
     "Gemma2ForCausalLM": "engine.model_executor.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.model_executor.models.gemma:Gemma3ForCausalLM",
     "Cohere2ForCausalLM": "engine.model_executor.models.cohere2:Cohere2ForCausalLM",
+    "Mamba2ForCausalLM": "engine.model_executor.models.mamba2:Mamba2ForCausalLM",
+    "BambaForCausalLM": "engine.model_executor.models.bamba:BambaForCausalLM",
     "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",

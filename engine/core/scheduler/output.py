@@ -39,6 +39,9 @@ class NewRequestData:
     # prompt token (BERT pair encodings; None: all zeros).
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    # A model with state layers: the request's state slot in every state layer's cache
+    # (engine.core.kv_cache.state_slots); None: the model has none.
+    state_slot: int | None = None
 
 
 @dataclass

@@ -103,9 +103,16 @@ class Scheduler:
         num_micro_batches: int = 1,
         kv_connector: Any = None,
         kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         """``kv_cache_groups``: the model's KV cache groups (the executor's
-        ``kv_cache_layout``); None: one group."""
+        ``kv_cache_layout``); None: one group. ``num_state_slots``: per-request state
+        slots of a model with state layers (the layout's; 0: none).
+
+        Prefix caching is off for a model with state layers: a request's recurrent state
+        exists only at the end of its last computed token, so cached blocks of a prefix
+        would come without the state at their end (vLLM keeps states at chosen block
+        boundaries for that; not done here yet)."""
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
         if num_speculative_tokens < 0:
@@ -127,10 +134,17 @@ class Scheduler:
         if kv_connector is not None and kv_cache_groups is not None and len(kv_cache_groups) > 1:
             raise ValueError("KV connectors move one block table per request: run a hybrid "
                              "model with one KV cache group (--disable-hybrid-kv-cache-manager)")
+        enable_caching = cache_config.enable_prefix_caching
+        if num_state_slots and enable_caching:
+            logger.info("prefix caching disabled: the model has state (Mamba) layers, whose "
+                        "per-request state is only known after the last computed token "
+                        "(block-aligned state caching is not implemented)")
+            enable_caching = False
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_blocks, cache_config.block_size, enable_caching,
             groups=kv_cache_groups,
             max_step_tokens=self.max_num_batched_tokens + num_lookahead_tokens,
+            num_state_slots=num_state_slots,
         )
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.requests: dict[str, Request] = {}
@@ -474,6 +488,7 @@ class Scheduler:
                 eos_token_id=r.eos_token_id,
                 pooling_params=r.pooling_params,
                 token_type_ids=r.token_type_ids,
+                state_slot=kv.get_state_slot(r.request_id),
             )
             for r in step.new_reqs
         ]

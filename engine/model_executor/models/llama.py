@@ -123,7 +123,11 @@ class LlamaAttention(nn.Module):
         opts: DecoderOptions,
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
+        cache_index: int | None = None,
     ) -> None:
+        """``cache_index``: this layer's KV cache among the model's attention layers (None:
+        its layer index within the stage; hybrids with state layers count only attention
+        layers)."""
         super().__init__()
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -162,7 +166,8 @@ class LlamaAttention(nn.Module):
             ctx.attn_backend,
             sliding_window=opts.window(layer_idx),
             logits_soft_cap=opts.attn_soft_cap,
-            cache_index=layer_idx - ctx.stage_layers(hf_config.num_hidden_layers).start,
+            cache_index=(layer_idx - ctx.stage_layers(hf_config.num_hidden_layers).start
+                         if cache_index is None else cache_index),
             **self.extra_attention_args(ctx),
         )
 

@@ -1,0 +1,59 @@
+"""Bamba (attention + Mamba-2 hybrid) end to end against transformers' torch path, and its
+KV cache: blocks only for the attention layer, states for the Mamba-2 layers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import SamplingParams
+from tests.entrypoints.test_mamba2 import _check, _generate, _hf_greedy, _slots_all_free
+from tests.helpers.hf_reference import cpu_llm, load_hf_model
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def bamba_dir(model_dir_factory):
+    return model_dir_factory("bamba", max_position_embeddings=4608)
+
+
+def test_bamba_matches_transformers_with_chunked_prefill(bamba_dir):
+    hf = load_hf_model(bamba_dir)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)]
+               for n in (41, 5, 26, 18)]
+    reference = (prompts, [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts])
+    with cpu_llm(bamba_dir, max_num_batched_tokens=16, max_num_seqs=3) as llm:
+        core = llm.llm_engine.client.core
+        outs = _generate(llm, prompts)
+        assert _slots_all_free(core)
+        runner = core.executor.runner
+        assert len(runner.kv_caches) == 1 and len(runner.state_caches) == 3
+    _check(outs, reference)
+
+
+def test_long_request_holds_blocks_for_the_attention_layer_only(bamba_dir):
+    """4,096 prompt tokens: one KV cache tensor (1 attention layer of 4), the request's
+    blocks cover its tokens once, and a block costs one layer's K and V."""
+    prompt = [random.Random(2).randrange(5, 300) for _ in range(4096)]
+    with cpu_llm(bamba_dir, max_model_len=4200, max_num_seqs=2,
+                 max_num_batched_tokens=2048) as llm:
+        core = llm.llm_engine.client.core
+        llm.generate([{"prompt_token_ids": prompt}],
+                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
+        kv = core.scheduler.kv_cache_manager
+        block_size = kv.block_size
+        assert kv.group_usage() == [{"kind": "full", "held": 0,
+                                     "peak": -(-(4096 + 1) // block_size)}]
+        runner = core.executor.runner
+        assert len(runner.kv_caches) == 1
+        cfg = runner.model.config
+        head = cfg.hidden_size // cfg.num_attention_heads
+        info = core.executor.worker.kv_cache_info()
+        assert info["num_layers"] == 1 and info["num_state_layers"] == 3
+        assert info["block_bytes"] == 2 * block_size * cfg.num_key_value_heads * head * 4
+        cache = runner.kv_caches[0]
+        assert cache.numel() * cache.element_size() == info["block_bytes"] * kv.num_blocks
