@@ -65,7 +65,12 @@ def allocate_state_caches(spec: StateCacheSpec, num_slots: int, device: torch.de
 
 @dataclass
 class StateMetadata:
-    """One step's requests (batch order) as the state kernels see them."""
+    """One step's requests (batch order) as the state kernels see them.
+
+    A step that mixes decodes with prefills is split into ``parts`` (the decodes, then
+    the rest), each a StateMetadata of its own with ``token_index``: its tokens' rows in
+    the step. The layer runs each part's kernels on those rows, so a decode never pays
+    for a padded prefill chunk."""
 
     state_indices: torch.Tensor  # int32 [R]: each request's slot
     has_initial_state: torch.Tensor  # bool [R]: it continues from its slot (computed > 0)
@@ -73,6 +78,8 @@ class StateMetadata:
     # Every request has one token and continues from its slot: the decode kernels run.
     is_decode: bool
     max_query_len: int = 1  # the most tokens any request has this step
+    parts: tuple[StateMetadata, ...] = ()
+    token_index: torch.Tensor | None = None  # int64 [T_part]: a part's rows of the step
 
 
 def build_state_metadata(slots: np.ndarray, num_computed: np.ndarray,
@@ -80,9 +87,32 @@ def build_state_metadata(slots: np.ndarray, num_computed: np.ndarray,
                          upload: Callable[[np.ndarray], torch.Tensor]) -> StateMetadata:
     """``slots`` / ``num_computed``: per request of the step, before the step runs."""
     has_initial = num_computed > 0
+    whole = _metadata(slots, has_initial, query_start_loc, max_query_len, upload)
+    lens = np.diff(query_start_loc)
+    decodes = (lens == 1) & has_initial
+    if whole.is_decode or not decodes.any():
+        return whole
+    parts = []
+    for rows in (np.flatnonzero(decodes), np.flatnonzero(~decodes)):
+        counts = lens[rows].astype(np.int64)
+        starts = query_start_loc[rows].astype(np.int64)
+        tokens = np.repeat(starts, counts) + (np.arange(int(counts.sum()))
+                                              - np.repeat(np.cumsum(counts) - counts, counts))
+        qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(counts)
+        part = _metadata(slots[rows], has_initial[rows], qsl, int(counts.max()), upload)
+        part.token_index = upload(tokens)
+        parts.append(part)
+    whole.parts = tuple(parts)
+    return whole
+
+
+def _metadata(slots: np.ndarray, has_initial: np.ndarray, query_start_loc: np.ndarray,
+              max_query_len: int, upload: Callable[[np.ndarray], torch.Tensor]
+              ) -> StateMetadata:
     return StateMetadata(
         state_indices=upload(np.ascontiguousarray(slots, dtype=np.int32)),
-        has_initial_state=upload(has_initial),
+        has_initial_state=upload(np.ascontiguousarray(has_initial)),
         query_start_loc=upload(np.ascontiguousarray(query_start_loc, dtype=np.int32)),
         is_decode=max_query_len == 1 and bool(has_initial.all()),
         max_query_len=max_query_len,

@@ -11,8 +11,9 @@ RMSNorm (``x * silu(z)``, normalized per group of ``intermediate / n_groups``); 
 The states live in the runner's state caches; the layer reads its own pair
 (``ForwardContext.state_caches[state_index]``) and the step's slots and progress
 (``ForwardContext.state_metadata``). A step where every request decodes one token from
-its state runs the single-step kernels; any other step runs the varlen prefill kernels
-over the whole batch (a decode there is a one-token segment continuing from its slot).
+its state runs the single-step kernels, a prefill-only step the varlen prefill kernels,
+and a step mixing both runs each group on its own kernels (the metadata's ``parts``), so
+a decode is never padded to a prefill chunk.
 """
 
 from __future__ import annotations
@@ -161,10 +162,27 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         fwd = get_forward_context()
         md = fwd.state_metadata
-        conv_state, ssm_state = fwd.state_caches[self.state_index]
+        states = fwd.state_caches[self.state_index]
         num_tokens = hidden.shape[0]
         z, xbc, dt = self.in_proj(hidden).split(
             [d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        if not md.parts:
+            y = self._scan(xbc, dt, states, md)
+        else:  # decodes and prefills of one step, each on its own kernels
+            y = xbc.new_empty(num_tokens, d.intermediate_size)
+            for part in md.parts:
+                rows = part.token_index
+                y.index_copy_(0, rows, self._scan(xbc.index_select(0, rows),
+                                                  dt.index_select(0, rows), states, part))
+        y = self.norm(y, z)
+        return self.out_proj(y.to(self.dtype))
+
+    def _scan(self, xbc: torch.Tensor, dt: torch.Tensor,
+              states: tuple[torch.Tensor, ...], md: Any) -> torch.Tensor:
+        """Conv + SiLU, then the SSD scan with the ``D`` skip: ``[n, intermediate]``."""
+        d = self.dims
+        conv_state, ssm_state = states
+        num_tokens = xbc.shape[0]
         weight = self.conv1d.weight.view(d.conv_dim, d.d_conv)
         if md.is_decode:
             xbc = ssm.causal_conv1d_decode(xbc, weight, conv_state, md.state_indices,
@@ -188,5 +206,4 @@ class Mamba2Mixer(nn.Module):
                                        dt_bias=self.dt_bias, dt_limit=d.dt_limit,
                                        chunk_size=scan_chunk_size(d.chunk_size,
                                                                   md.max_query_len))
-        y = self.norm(y.reshape(num_tokens, d.intermediate_size), z)
-        return self.out_proj(y.to(self.dtype))
+        return y.reshape(num_tokens, d.intermediate_size)
