@@ -1,5 +1,6 @@
-"""Bamba (attention + Mamba-2 hybrid) end to end against transformers' torch path, and its
-KV cache: blocks only for the attention layer, states for the Mamba-2 layers."""
+"""Attention + Mamba-2 hybrids (Bamba; Granite 4.0-H dense, with and without RoPE) end to
+end against transformers' torch path, and their KV cache: blocks only for the attention
+layer, states for the Mamba-2 layers."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ def bamba_dir(model_dir_factory):
     return model_dir_factory("bamba", max_position_embeddings=4608)
 
 
-def test_bamba_matches_transformers_with_chunked_prefill(bamba_dir):
-    hf = load_hf_model(bamba_dir)
+@pytest.mark.parametrize("variant", ["bamba", "granitemoehybrid", "granitemoehybrid-rope"])
+def test_hybrid_matches_transformers_with_chunked_prefill(model_dir_factory, variant):
+    if variant == "bamba":
+        model_dir = model_dir_factory("bamba", max_position_embeddings=4608)
+    elif variant == "granitemoehybrid":
+        model_dir = model_dir_factory("granitemoehybrid")
+    else:
+        model_dir = model_dir_factory("granitemoehybrid", position_embedding_type="rope")
+    hf = load_hf_model(model_dir)
     rng = random.Random(1)
     prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)]
                for n in (41, 5, 26, 18)]
     reference = (prompts, [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts])
-    with cpu_llm(bamba_dir, max_num_batched_tokens=16, max_num_seqs=3) as llm:
+    with cpu_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=3) as llm:
         core = llm.llm_engine.client.core
         outs = _generate(llm, prompts)
         assert _slots_all_free(core)

@@ -148,6 +148,15 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                   num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
                   mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
                   mamba_expand=2, mamba_chunk_size=16),
+    # Granite 4.0-H, dense: attention (no positions) at 1, Mamba-2 elsewhere, multipliers.
+    "granitemoehybrid": dict(arch="GraniteMoeHybridForCausalLM", num_hidden_layers=4,
+                             layer_types=["mamba", "attention", "mamba", "mamba"],
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+                             shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
+                             mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                             mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=4.0,
+                             residual_multiplier=0.5, attention_multiplier=0.1,
+                             logits_scaling=2.0),
 }
 
 

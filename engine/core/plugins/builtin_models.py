@@ -36,6 +36,8 @@ BUILTINS = {
     "Cohere2ForCausalLM": "engine.model_executor.models.cohere2:Cohere2ForCausalLM",
     "Mamba2ForCausalLM": "engine.model_executor.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "engine.model_executor.models.bamba:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM":
+        "engine.model_executor.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",

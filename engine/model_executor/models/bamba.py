@@ -62,27 +62,42 @@ def attention_layers(hf_config: Any) -> list[int]:
 
 
 class BambaDecoderLayer(nn.Module):
-    """Attention or Mamba-2, then the MLP (LlamaModel's layer interface)."""
+    """Attention or Mamba-2, then the MLP (LlamaModel's layer interface). Subclasses
+    name the MLP and the second norm as their checkpoints do."""
+
+    mlp_name = "feed_forward"
+    post_norm_name = "pre_ff_layernorm"
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
                  layer_idx: int, rotary_emb: Any, make_mlp: Any = None,
                  make_attention: Any = None) -> None:
         super().__init__()
-        attn = attention_layers(hf_config)
+        attn = self.attention_layers(hf_config)
         self.is_attention = layer_idx in attn
         if self.is_attention:
             self.self_attn = LlamaAttention(hf_config, ctx, opts, layer_idx, rotary_emb,
                                             cache_index=attn.index(layer_idx))
         else:
             state_index = layer_idx - sum(1 for i in attn if i < layer_idx)
-            self.mamba = Mamba2Mixer(bamba_mamba_dims(hf_config), ctx,
+            self.mamba = Mamba2Mixer(self.mamba_dims(hf_config), ctx,
                                      f"model.layers.{layer_idx}.mamba", state_index)
-        self.mlp_name = "feed_forward"
-        self.feed_forward = LlamaMLP(hf_config, ctx, opts, f"model.layers.{layer_idx}.feed_forward")
+        self.add_module(self.mlp_name, self.make_mlp(
+            hf_config, ctx, opts, f"model.layers.{layer_idx}.{self.mlp_name}"))
         common = {"dtype": ctx.dtype, "device": ctx.device, "fused_ops": ctx.fused_ops}
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
-        self.pre_ff_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
+        self.add_module(self.post_norm_name, RMSNorm(hf_config.hidden_size, eps, **common))
+
+    attention_layers = staticmethod(attention_layers)
+    mamba_dims = staticmethod(bamba_mamba_dims)
+
+    @staticmethod
+    def make_mlp(hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
+                 prefix: str) -> nn.Module:
+        return LlamaMLP(hf_config, ctx, opts, prefix)
+
+    def mix(self, rope: RopeInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(rope, hidden) if self.is_attention else self.mamba(hidden)
 
     def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,19 +106,20 @@ class BambaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden) if self.is_attention else self.mamba(hidden)
-        hidden, residual = self.pre_ff_layernorm(hidden, residual)
-        return self.feed_forward(hidden), residual
+        hidden = self.mix(rope, hidden)
+        hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class BambaForCausalLM(LlamaForCausalLM):
     supports_pipeline_parallel = False
+    decoder_layer_cls = BambaDecoderLayer
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         nn.Module.__init__(self)
         if ctx.tp is not None:
-            raise ValueError("BambaForCausalLM does not support tensor parallelism yet "
-                             "(its Mamba-2 layers)")
+            raise ValueError(f"{type(self).__name__} does not support tensor parallelism "
+                             "yet (its Mamba-2 layers)")
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.config = hf_config
@@ -111,7 +127,7 @@ class BambaForCausalLM(LlamaForCausalLM):
         self.vocab_size = hf_config.vocab_size
         self.head_size = self.opts.head_size
         self.activation_dtype = ctx.dtype
-        self.model = LlamaModel(hf_config, ctx, self.opts, make_layer=BambaDecoderLayer,
+        self.model = LlamaModel(hf_config, ctx, self.opts, make_layer=self.decoder_layer_cls,
                                 make_rotary=self._rotary)
         self.stage_layers = self.model.stage_layers
         attn = [layer for layer in self.model.layers if layer.is_attention]
