@@ -143,6 +143,16 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     # Mamba-2: 8 heads of 16 (expand 2), 2 groups, d_state 16, SSD chunks of 16.
     "mamba2": dict(arch="Mamba2ForCausalLM", num_heads=8, head_dim=16, expand=2, n_groups=2,
                    state_size=16, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5),
+    # Mamba-1: d_inner 128, d_state 16, dt rank 8, tied head, float32 residual.
+    "mamba1": dict(arch="MambaForCausalLM", state_size=16, conv_kernel=4, time_step_rank=8,
+                   layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=True),
+    # Jamba: attention at 1 and 3 (no positions), Mamba-1 at 0 and 2, MoE (4 experts, top
+    # 2) at 0 and 3 so that both mixers meet both feed-forward kinds.
+    "jamba": dict(arch="JambaForCausalLM", num_hidden_layers=4, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=0,
+                  num_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16,
+                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
     # Bamba: 4 layers, attention at 1 (RoPE on half of each head), Mamba-2 elsewhere.
     "bamba": dict(arch="BambaForCausalLM", num_hidden_layers=4, attn_layer_indices=[1],
                   num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,

@@ -22,6 +22,8 @@ BUILTINS = {
     "MixtralForCausalLM": "engine.model_executor.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "engine.model_executor.models.mixtral:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.model_executor.models.mixtral:Qwen3MoeForCausalLM",
+    "MambaForCausalLM": "engine.model_executor.models.mamba:MambaForCausalLM",
+    "JambaForCausalLM": "engine.model_executor.models.jamba:JambaForCausalLM",
     "DeepseekV3ForCausalLM": "engine.model_executor.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Phi3ForCausalLM": "engine.model_executor.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "engine.model_executor.models.olmo2:Olmo2ForCausalLM",
