@@ -167,6 +167,22 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                              mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=4.0,
                              residual_multiplier=0.5, attention_multiplier=0.1,
                              logits_scaling=2.0),
+    # Falcon-H1: attention and Mamba-2 side by side in each of 3 layers, the muP
+    # multipliers away from 1, the mixer's gated RMSNorm normalizing before the gate.
+    "falcon_h1": dict(
+        arch="FalconH1ForCausalLM", num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True,
+        mamba_norm_before_gate=True, embedding_multiplier=1.5, lm_head_multiplier=0.5,
+        key_multiplier=0.7, attention_in_multiplier=0.8, attention_out_multiplier=1.2,
+        ssm_in_multiplier=1.1, ssm_out_multiplier=0.9, mlp_multipliers=[1.3, 0.6],
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7]),
+    # Nemotron-H: Mamba-2 ("M"), attention without RoPE ("*"), squared-ReLU MLP ("-").
+    "nemotron_h": dict(
+        arch="NemotronHForCausalLM", hybrid_override_pattern="M*-M-", num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        layer_norm_epsilon=1e-5),
 }
 
 

@@ -38,6 +38,8 @@ BUILTINS = {
     "Cohere2ForCausalLM": "engine.model_executor.models.cohere2:Cohere2ForCausalLM",
     "Mamba2ForCausalLM": "engine.model_executor.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "engine.model_executor.models.bamba:BambaForCausalLM",
+    "FalconH1ForCausalLM": "engine.model_executor.models.falcon_h1:FalconH1ForCausalLM",
+    "NemotronHForCausalLM": "engine.model_executor.models.nemotron_h:NemotronHForCausalLM",
     "GraniteMoeHybridForCausalLM":
         "engine.model_executor.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",

@@ -315,10 +315,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, ctx, self.opts, self.make_mlp, self.attention_cls,
                                 self.decoder_layer_cls, self.make_rotary)
         self.stage_layers = self.model.stage_layers
-        self.num_layers = len(self.stage_layers)  # this rank's (its KV caches)
-        first = self.model.layers[self.stage_layers.start]
-        self.num_kv_heads = first.self_attn.num_kv_heads  # this rank's
+        self.num_layers, self.num_kv_heads = self.kv_layout()
         self.init_lm_head(hf_config, ctx)
+
+    def kv_layout(self) -> tuple[int, int]:
+        """This rank's KV cache layers and its KV heads per layer (hybrids whose other
+        layers keep a state count their attention layers only)."""
+        first = self.model.layers[self.stage_layers.start]
+        return len(self.stage_layers), first.self_attn.num_kv_heads
 
     def init_lm_head(self, hf_config: Any, ctx: ModelInitContext,
                      tie_by_default: bool = False) -> None:
