@@ -138,9 +138,13 @@ def _generate_in_thread(llm, max_tokens: int):
 
     thread = threading.Thread(target=run)
     thread.start()
-    while not llm.llm_engine.has_unfinished_requests():
+    # a few steps in: the engine core holds the request and it has decoded (waiting a
+    # fixed time instead lost the race on a loaded machine, before the core had it)
+    core = llm.llm_engine.client.core
+    deadline = time.monotonic() + 30
+    while not any(r.num_output_tokens >= 2 for r in list(core.scheduler.requests.values())):
+        assert time.monotonic() < deadline, "the request never started decoding"
         time.sleep(0.001)
-    time.sleep(0.05)  # a few steps in
     return thread, result
 
 
