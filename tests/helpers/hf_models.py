@@ -183,6 +183,18 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
         mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
         layer_norm_epsilon=1e-5),
+    # Qwen3-Next: gated DeltaNet at 0, 1, 3 (2 key heads, 4 value heads), gated full
+    # attention at 2 (RoPE on a quarter of each head); MoE (4 experts, top 2, shared
+    # expert) except the dense layer 1.
+    "qwen3_next": dict(
+        arch="Qwen3NextForCausalLM", num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention",
+                     "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 
 

@@ -38,6 +38,7 @@ BUILTINS = {
     "Cohere2ForCausalLM": "engine.model_executor.models.cohere2:Cohere2ForCausalLM",
     "Mamba2ForCausalLM": "engine.model_executor.models.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": "engine.model_executor.models.bamba:BambaForCausalLM",
+    "Qwen3NextForCausalLM": "engine.model_executor.models.qwen3_next:Qwen3NextForCausalLM",
     "FalconH1ForCausalLM": "engine.model_executor.models.falcon_h1:FalconH1ForCausalLM",
     "NemotronHForCausalLM": "engine.model_executor.models.nemotron_h:NemotronHForCausalLM",
     "GraniteMoeHybridForCausalLM":
