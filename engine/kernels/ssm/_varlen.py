@@ -47,7 +47,7 @@ def load_initial_states(
     return states
 
 
-_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_SCRATCH: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 def gather_states(state_cache: torch.Tensor, state_indices: torch.Tensor,
@@ -56,14 +56,16 @@ def gather_states(state_cache: torch.Tensor, state_indices: torch.Tensor,
 
     Decode gathers the whole state every step; on CPU a fresh buffer of that size costs
     more in page faults than the copy itself, so same-dtype gathers go into a scratch
-    buffer kept per (dtype, device) and reused (valid until the next call).
+    buffer kept per (dtype, device) and reused (valid until the next call). One buffer per
+    inference-mode state too: a tensor made under ``torch.inference_mode`` (the engine's
+    forwards) cannot be written outside it.
     """
     idx = state_indices.to(torch.int64)
     if state_cache.dtype != dtype or state_cache.device.type != "cpu":
         return state_cache.index_select(0, idx).to(dtype)
     shape = (idx.numel(), *state_cache.shape[1:])
     numel = math.prod(shape)
-    key = (dtype, state_cache.device)
+    key = (dtype, state_cache.device, torch.is_inference_mode_enabled())
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=state_cache.device)
