@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 MAMBA2_130M = {"hidden_size": 768, "num_hidden_layers": 24, "num_heads": 24, "head_dim": 64,
                "expand": 2, "n_groups": 1, "state_size": 128, "conv_kernel": 4,
