@@ -61,7 +61,8 @@ def trainer_main(model_dir: str, port: int, world_size: int, conn: Any, lr: floa
         train_step(model, optimizer, rollouts)
         tensors = [(n, t.detach().to(wire_dtype)) for n, t in unique_tensors(model)]
         conn.send(time.perf_counter() - started)
-        sent = broadcast_named_tensors(group, tensors)  # the engine's ranks receive
+        # the engine's ranks receive, a few byte buckets instead of one call per tensor
+        sent = broadcast_named_tensors(group, tensors, packed=True)
         flat = torch.empty(sent, dtype=torch.uint8)
         probe.broadcast(flat, src=0)  # the same bytes, one plain broadcast
 
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             t2 = time.perf_counter()
             train_s = here.recv()
             t3 = time.perf_counter()
-            llm.update_weights_from_distributed(names, dtypes, shapes)
+            llm.update_weights_from_distributed(names, dtypes, shapes, packed=True)
             t4 = time.perf_counter()
             llm.wake_up()
             t5 = time.perf_counter()

@@ -294,14 +294,15 @@ class EngineCore:
                                      master_port, rank_offset, world_size)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]]) -> None:
+                                        shapes: list[list[int]], packed: bool = False) -> None:
         """Receive each (name, dtype, shape) tensor by broadcast from the trainer's rank 0,
-        in order, every rank loading its shard (a full set of the model's tensors)."""
+        in order (``packed``: in byte buckets), every rank loading its shard (a full set of
+        the model's tensors)."""
         from engine.distributed.weight_sync import check_broadcast_specs
 
         check_broadcast_specs(list(names), list(dtypes), [list(s) for s in shapes])
         self._update_weights("update_weights_from_distributed", list(names),
-                             [str(d) for d in dtypes], [list(s) for s in shapes])
+                             [str(d) for d in dtypes], [list(s) for s in shapes], bool(packed))
 
     def update_weights_from_tensors(self, handles: list[list[Any]]) -> None:
         """Load tensors shared by a trainer in the front end's process

@@ -10,7 +10,11 @@ gloo on the CPU, NCCL on CUDA / ROCm).
 
 The trainer is rank 0 and calls :func:`create_weight_sync_group` with ``rank=0``; engine
 rank ``i`` joins as ``rank_offset + i``. Then, per tensor, everyone calls
-:meth:`WeightSyncGroup.broadcast` with ``src=0`` in the same order.
+:meth:`WeightSyncGroup.broadcast` with ``src=0`` in the same order -- or, ``packed``, per
+bucket: the tensors laid end to end (64-byte aligned) in flat byte buffers of up to
+``PACKED_BUCKET_BYTES`` (:func:`packed_buckets`, computed alike on both sides from the
+names, dtypes and shapes), one broadcast each, so a model of hundreds of small tensors
+pays the collective's per-call latency a few times instead of once per tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +26,37 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+PACKED_BUCKET_BYTES = 256 << 20  # most bytes one packed broadcast carries (one bigger
+# tensor gets a bucket of its own)
+PACKED_ALIGN = 64  # each tensor's offset in its bucket: any dtype views it in place
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def tensor_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def packed_buckets(specs: list[TensorSpec], bucket_bytes: int = PACKED_BUCKET_BYTES
+                   ) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The buckets of a packed update: ``(total bytes, [(spec index, byte offset)])``
+    each, tensors in order, a new bucket when the next would overflow ``bucket_bytes``."""
+    buckets: list[tuple[int, list[tuple[int, int]]]] = []
+    entries: list[tuple[int, int]] = []
+    used = 0
+    for index, (_, dtype, shape) in enumerate(specs):
+        size = tensor_bytes(dtype, shape)
+        if entries and used + size > bucket_bytes:
+            buckets.append((used, entries))
+            entries, used = [], 0
+        entries.append((index, used))
+        used += -(-size // PACKED_ALIGN) * PACKED_ALIGN
+    if entries:
+        buckets.append((used, entries))
+    return buckets
 
 
 class WeightSyncGroup:
@@ -113,12 +148,22 @@ def check_broadcast_specs(names: list[str], dtypes: list[Any], shapes: list[Any]
     return specs
 
 
-def broadcast_named_tensors(group: WeightSyncGroup, tensors: list[tuple[str, torch.Tensor]]
-                            ) -> int:
-    """The trainer's side: broadcast each tensor from rank 0 in order; bytes sent."""
-    sent = 0
-    for _, tensor in tensors:
-        tensor = tensor.detach().contiguous()
-        group.broadcast(tensor, src=0)
-        sent += tensor.numel() * tensor.element_size()
+def broadcast_named_tensors(group: WeightSyncGroup, tensors: list[tuple[str, torch.Tensor]],
+                            packed: bool = False) -> int:
+    """The trainer's side: broadcast the tensors from rank 0 in order (``packed``: in
+    :func:`packed_buckets`, as ``update_weights_from_distributed(..., packed=True)``
+    receives them); the tensors' bytes sent."""
+    tensors = [(name, tensor.detach().contiguous()) for name, tensor in tensors]
+    sent = sum(t.numel() * t.element_size() for _, t in tensors)
+    if not packed:
+        for _, tensor in tensors:
+            group.broadcast(tensor, src=0)
+        return sent
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    for total, entries in packed_buckets(specs):
+        flat = torch.empty(total, dtype=torch.uint8, device=tensors[0][1].device)
+        for index, offset in entries:
+            data = tensors[index][1].reshape(-1).view(torch.uint8)
+            flat[offset : offset + data.numel()].copy_(data)
+        group.broadcast(flat, src=0)
     return sent

@@ -331,11 +331,13 @@ class AsyncLLM:
                            rank_offset, world_size)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[Any],
-                                              shapes: list[list[int]]) -> None:
-        """Receive the tensors by broadcast from the trainer's rank 0, in this order."""
+                                              shapes: list[list[int]],
+                                              packed: bool = False) -> None:
+        """Receive the tensors by broadcast from the trainer's rank 0, in this order
+        (``packed``: in byte buckets, see ``LLM.update_weights_from_distributed``)."""
         await self._update("update_weights_from_distributed", list(names),
                            [str(d).removeprefix("torch.") for d in dtypes],
-                           [list(shape) for shape in shapes])
+                           [list(shape) for shape in shapes], bool(packed))
 
     async def update_weights_from_tensors(self, named_tensors: list[tuple[str, Any]]) -> None:
         """Load tensors of a trainer in this process (shared memory / CUDA IPC)."""

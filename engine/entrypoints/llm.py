@@ -287,14 +287,18 @@ class LLM(PoolingAPI):
                 int(rank_offset), int(world_size))
 
     def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
-                                        shapes: Sequence[Sequence[int]]) -> None:
+                                        shapes: Sequence[Sequence[int]],
+                                        packed: bool = False) -> None:
         """Receive the model's tensors (HF checkpoint names, full unsharded shapes) by
-        broadcast from the trainer's rank 0 in this order; every rank loads its shard."""
+        broadcast from the trainer's rank 0 in this order; every rank loads its shard.
+        ``packed``: the trainer sent them in byte buckets
+        (``weight_sync.broadcast_named_tensors(..., packed=True)``), a few broadcasts
+        instead of one per tensor."""
         with self._engine_lock:
             self.llm_engine.client.update_weights(
                 "update_weights_from_distributed", list(names),
                 [str(d).removeprefix("torch.") for d in dtypes],
-                [[int(n) for n in shape] for shape in shapes])
+                [[int(n) for n in shape] for shape in shapes], bool(packed))
 
     def update_weights_from_tensors(self, named_tensors: Sequence[tuple[str, Any]]) -> None:
         """Load tensors of a trainer in this process (HF checkpoint names), passed to

@@ -72,21 +72,41 @@ def build_model(config: EngineConfig, platform: Platform, parallel: Any,
 
 class BroadcastReceiver:
     """Iterates ``(name, tensor)``, each tensor received by broadcast from the trainer
-    (rank 0 of ``group``) as the loader asks for it. ``drain()`` receives whatever is
-    left, so a failed load never leaves the trainer blocked in a broadcast."""
+    (rank 0 of ``group``) as the loader asks for it (``packed``: a bucket at a time, its
+    tensors viewed in place, see ``engine.distributed.weight_sync.packed_buckets``).
+    ``drain()`` receives whatever is left, so a failed load never leaves the trainer
+    blocked in a broadcast."""
 
     def __init__(self, group: Any, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 device: torch.device) -> None:
+                 device: torch.device, packed: bool = False) -> None:
+        from engine.distributed.weight_sync import packed_buckets
+
         self.group = group
         self.specs = specs
         self.device = device
         self.received = 0
         self.bytes = 0
+        self.buckets = packed_buckets(specs) if packed else None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.buckets is not None:
+            yield from self._packed()
+            return
         while self.received < len(self.specs):
             name, dtype, shape = self.specs[self.received]
             yield name, self._receive(dtype, shape)
+
+    def _packed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from engine.distributed.weight_sync import tensor_bytes
+
+        while self.buckets:
+            total, entries = self.buckets.pop(0)
+            flat = self._receive(torch.uint8, (total,))
+            self.received += len(entries) - 1  # _receive counted the bucket as one
+            for index, offset in entries:
+                name, dtype, shape = self.specs[index]
+                size = tensor_bytes(dtype, shape)
+                yield name, flat[offset : offset + size].view(dtype).view(shape)
 
     def _receive(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
@@ -96,6 +116,10 @@ class BroadcastReceiver:
         return tensor
 
     def drain(self) -> None:
+        if self.buckets is not None:
+            for _ in self._packed():
+                pass
+            return
         while self.received < len(self.specs):
             _, dtype, shape = self.specs[self.received]
             self._receive(dtype, shape)

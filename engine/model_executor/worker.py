@@ -407,7 +407,8 @@ class Worker:
         return None
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                        shapes: list[list[int]]) -> dict[str, str] | None:
+                                        shapes: list[list[int]], packed: bool = False
+                                        ) -> dict[str, str] | None:
         """Receive every tensor by broadcast from the trainer (full HF tensors, in
         ``names`` order) and load this rank's shard of each; the rest is drained on error."""
         from engine.distributed.weight_sync import check_broadcast_specs
@@ -420,7 +421,7 @@ class Worker:
             specs = check_broadcast_specs(names, dtypes, shapes)
         except ValueError as exc:
             return {"error": str(exc)}
-        receiver = BroadcastReceiver(group, specs, self.platform.device())
+        receiver = BroadcastReceiver(group, specs, self.platform.device(), packed)
         error = self._swap_in(lambda: receiver)
         if error is not None:
             try:

@@ -62,15 +62,16 @@ def _cached_blocks(llm) -> int:
     return len(core.scheduler.kv_cache_manager.block_pool.cached_blocks)
 
 
-def _distributed_update(llm, path, tp: int) -> None:
-    """A trainer process (rank 0) broadcasts ``path``'s tensors to the engine's ranks."""
+def _distributed_update(llm, path, tp: int, packed: bool = False) -> None:
+    """A trainer process (rank 0) broadcasts ``path``'s tensors to the engine's ranks
+    (``packed``: in byte buckets)."""
     port = free_port()
     trainer = multiprocessing.get_context("spawn").Process(
-        target=broadcast_checkpoint, args=(port, 1 + tp, str(path)), daemon=True)
+        target=broadcast_checkpoint, args=(port, 1 + tp, str(path), 1, packed), daemon=True)
     trainer.start()
     try:
         llm.init_weight_update_group("127.0.0.1", port, 1, 1 + tp)
-        llm.update_weights_from_distributed(*specs(path))
+        llm.update_weights_from_distributed(*specs(path), packed=packed)
     finally:
         trainer.join(timeout=60)
     assert trainer.exitcode == 0
@@ -135,6 +136,8 @@ def test_update_from_a_trainer_broadcast(llm, dir_a, dir_b, refs):
     _tokens(llm, CACHED)
     _distributed_update(llm, dir_b, tp=1)
     _assert_serves(llm, refs, "b")
+    _distributed_update(llm, dir_a, tp=1, packed=True)  # byte buckets, views on receipt
+    _assert_serves(llm, refs, "a")
     with pytest.raises(ValueError, match="differ in length"):
         llm.update_weights_from_distributed(["a"], [], [[1]])
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -171,7 +174,7 @@ def test_tensor_parallel_updates(dir_a, dir_b, refs):
         _assert_serves(engine, refs, "b")
         engine.update_weights_from_tensors(checkpoint_tensors(dir_a))
         _assert_serves(engine, refs, "a")
-        _distributed_update(engine, dir_b, tp=2)
+        _distributed_update(engine, dir_b, tp=2, packed=True)
         _assert_serves(engine, refs, "b")
         with pytest.raises(ValueError, match="rank 0: .*shape"):
             engine.update_weights_from_tensors(

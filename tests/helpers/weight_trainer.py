@@ -25,12 +25,13 @@ def specs(model_dir: str | Path) -> tuple[list[str], list[str], list[list[int]]]
             [list(t.shape) for _, t in tensors])
 
 
-def broadcast_checkpoint(port: int, world_size: int, model_dir: str, rounds: int = 1) -> None:
+def broadcast_checkpoint(port: int, world_size: int, model_dir: str, rounds: int = 1,
+                         packed: bool = False) -> None:
     """Join as rank 0 on 127.0.0.1:``port``, then broadcast the directory's tensors
-    ``rounds`` times."""
+    ``rounds`` times (``packed``: in byte buckets)."""
     from engine.distributed.weight_sync import broadcast_named_tensors, create_weight_sync_group
 
     group = create_weight_sync_group("127.0.0.1", port, 0, world_size, timeout_s=120)
     tensors = checkpoint_tensors(model_dir)
     for _ in range(rounds):
-        broadcast_named_tensors(group, tensors)
+        broadcast_named_tensors(group, tensors, packed=packed)

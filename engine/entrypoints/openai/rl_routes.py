@@ -23,9 +23,10 @@ first); each resets the prefix cache, and a refused update leaves the old weight
   "world_size"}``: join the trainer's process group (gloo on the CPU, NCCL on GPUs; the
   trainer is rank 0 and hosts the store, engine rank ``i`` is ``rank_offset + i``); it
   answers once every rank has joined;
-- ``POST /update_weights_from_distributed`` ``{"names", "dtypes", "shapes"}``: receive
-  those tensors (HF checkpoint names, full shapes; the model's full set) by broadcast
-  from the trainer's rank 0, in that order.
+- ``POST /update_weights_from_distributed`` ``{"names", "dtypes", "shapes"[, "packed"]}``:
+  receive those tensors (HF checkpoint names, full shapes; the model's full set) by
+  broadcast from the trainer's rank 0, in that order (``packed``: in byte buckets,
+  ``engine.distributed.weight_sync.packed_buckets``).
 
 Bad input (a missing directory, another architecture, a wrong shape, an unknown or
 missing tensor name, a malformed body) answers 400 with an OpenAI-style error body.
@@ -122,6 +123,7 @@ class UpdateWeightsFromDistributedRequest(_Body):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    packed: bool = False
 
 
 def add_weight_update_routes(app: FastAPI, engine: Any, guard: Any) -> None:
@@ -145,5 +147,5 @@ def add_weight_update_routes(app: FastAPI, engine: Any, guard: Any) -> None:
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = await parse_body(request, UpdateWeightsFromDistributedRequest)
         await guard(engine.update_weights_from_distributed(body.names, body.dtypes,
-                                                           body.shapes))
+                                                           body.shapes, body.packed))
         return JSONResponse({"status": "updated", "num_tensors": len(body.names)})
