@@ -15,7 +15,7 @@ from engine.plugins.gpu_memory import gpu_kv_cache_bytes
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.interfaces import AttentionBackend, Communicator
+    from engine.core.interfaces import AttentionBackend, Communicator, FusedOps
 
 
 class TorchCudaApiPlatform(Platform):
@@ -24,6 +24,20 @@ class TorchCudaApiPlatform(Platform):
     device_type = "cuda"
     dist_backend = "nccl"
     ray_device_key = "GPU"  # the Ray resource one rank reserves
+
+    def dense_gemm_kernels(self) -> list[type[Any]]:
+        """Batch-invariant mode: the invariant Triton GEMM first (engine.kernels.
+        batch_invariant); otherwise none (F.linear, i.e. cuBLAS / hipBLASLt)."""
+        from engine.kernels.batch_invariant_ops import batch_invariant_dense_gemm_kernels
+
+        return batch_invariant_dense_gemm_kernels()
+
+    def fused_ops(self) -> FusedOps | None:
+        """Batch-invariant mode: a per-row Triton RMSNorm (engine.kernels.
+        batch_invariant_ops); otherwise None (the layers' torch ops)."""
+        from engine.kernels.batch_invariant_ops import batch_invariant_fused_ops
+
+        return batch_invariant_fused_ops()
 
     def supported_dtypes(self) -> list[torch.dtype]:
         import torch

@@ -7,13 +7,9 @@ so a later fork of the process stays safe.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
 
 from engine.core.interfaces import ProbeResult
 from engine.plugins.torch_cuda_api import TorchCudaApiPlatform
-
-if TYPE_CHECKING:
-    from engine.core.interfaces import FusedOps
 
 
 class CUDAPlatform(TorchCudaApiPlatform):
@@ -42,17 +38,3 @@ class CUDAPlatform(TorchCudaApiPlatform):
             return ProbeResult.ok(f"{count} CUDA device(s), CUDA {torch.version.cuda}")
         except Exception as exc:  # noqa: BLE001
             return ProbeResult.unavailable(f"CUDA probe failed: {exc}")
-
-    def dense_gemm_kernels(self) -> list[type[Any]]:
-        """Batch-invariant mode: the invariant Triton GEMM first (engine.kernels.
-        batch_invariant); otherwise none (F.linear, i.e. cuBLAS / hipBLASLt)."""
-        from engine.kernels.batch_invariant_ops import batch_invariant_dense_gemm_kernels
-
-        return batch_invariant_dense_gemm_kernels()
-
-    def fused_ops(self) -> FusedOps | None:
-        """Batch-invariant mode: a per-row Triton RMSNorm (engine.kernels.
-        batch_invariant_ops); otherwise None (the layers' torch ops)."""
-        from engine.kernels.batch_invariant_ops import batch_invariant_fused_ops
-
-        return batch_invariant_fused_ops()
