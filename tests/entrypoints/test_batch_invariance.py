@@ -134,3 +134,19 @@ def test_quantized_models_are_refused_clearly():
     with pytest.raises(Exception, match="batch-invariant mode covers unquantized"):
         LLM(str(FIXTURES / "awq-gemm-g64"), device="cpu", max_model_len=128,
             batch_invariant=True)
+
+
+@pytest.mark.parametrize("width", [384, 151936])
+def test_torch_cpu_row_reductions_do_not_depend_on_the_batch(width):
+    """What the mode keeps from torch on the CPU (the sampler's softmax / log-softmax,
+    GemmaRMSNorm's F.rms_norm): a row's result alone equals it among 64 rows."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, width, generator=gen) * 4
+    full = (torch.log_softmax(x, -1), x.softmax(-1),
+            torch.nn.functional.rms_norm(x, (width,), None, 1e-6))
+    for row in (0, 31, 63):
+        one = x[row : row + 1]
+        alone = (torch.log_softmax(one, -1), one.softmax(-1),
+                 torch.nn.functional.rms_norm(one, (width,), None, 1e-6))
+        for a, f in zip(alone, full):
+            assert torch.equal(a[0], f[row])
