@@ -119,7 +119,7 @@ class BambaForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         if ctx.tp is not None:
             raise ValueError(f"{type(self).__name__} does not support tensor parallelism "
-                             "yet (its Mamba-2 layers)")
+                             "yet (its state-space layers)")
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.config = hf_config
