@@ -32,6 +32,7 @@ from engine.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    PreNormDecoderLayer,
 )
 from engine.model_executor.state_cache import StateCacheSpec
 
@@ -61,7 +62,7 @@ def attention_layers(hf_config: Any) -> list[int]:
     return sorted(set(getattr(hf_config, "attn_layer_indices", None) or ()))
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormDecoderLayer):
     """Attention or Mamba-2, then the MLP (LlamaModel's layer interface). Subclasses
     name the MLP and the second norm as their checkpoints do."""
 
@@ -98,17 +99,6 @@ class BambaDecoderLayer(nn.Module):
 
     def mix(self, rope: RopeInputs, hidden: torch.Tensor) -> torch.Tensor:
         return self.self_attn(rope, hidden) if self.is_attention else self.mamba(hidden)
-
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.mix(rope, hidden)
-        hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class BambaForCausalLM(LlamaForCausalLM):

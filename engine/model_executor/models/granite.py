@@ -21,11 +21,12 @@ from engine.model_executor.models.llama import (
 )
 
 
-class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
-                 layer_idx: int, rotary_emb: RotaryEmbedding, make_mlp: Any = None,
-                 make_attention: Any = None) -> None:
-        super().__init__(hf_config, ctx, opts, layer_idx, rotary_emb, make_mlp, make_attention)
+class GraniteMultipliers:
+    """Granite's embedding and residual multipliers around a pre-norm layer
+    (:class:`PreNormDecoderLayer`): Granite 3's Llama layers and Granite 4.0-H's attention /
+    Mamba-2 layers alike. Call :meth:`init_multipliers` from ``__init__``."""
+
+    def init_multipliers(self, hf_config: Any, layer_idx: int) -> None:
         self.residual_multiplier = float(hf_config.residual_multiplier)
         # Layer 0 receives the embeddings themselves (always on the first stage).
         self.embedding_multiplier = (float(hf_config.embedding_multiplier)
@@ -41,9 +42,17 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mix(rope, hidden) * self.residual_multiplier
+        hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
         return getattr(self, self.mlp_name)(hidden) * self.residual_multiplier, residual
+
+
+class GraniteDecoderLayer(GraniteMultipliers, LlamaDecoderLayer):
+    def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
+                 layer_idx: int, rotary_emb: RotaryEmbedding, make_mlp: Any = None,
+                 make_attention: Any = None) -> None:
+        super().__init__(hf_config, ctx, opts, layer_idx, rotary_emb, make_mlp, make_attention)
+        self.init_multipliers(hf_config, layer_idx)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

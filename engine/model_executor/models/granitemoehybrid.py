@@ -23,13 +23,14 @@ from torch import nn
 
 from engine.model_executor.layers.fused_moe import RouterConfig
 from engine.model_executor.layers.mamba2 import Mamba2Dims
-from engine.model_executor.layers.rotary import RopeInputs, rotary_for_config
+from engine.model_executor.layers.rotary import rotary_for_config
 from engine.model_executor.lazy_tensor import materialize
 from engine.model_executor.models.bamba import (
     BambaDecoderLayer,
     BambaForCausalLM,
     bamba_mamba_dims,
 )
+from engine.model_executor.models.granite import GraniteMultipliers
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llama import DecoderOptions, LlamaMLP
 from engine.model_executor.models.moe_block import SparseMoeBlock, expert_name_mapper
@@ -64,7 +65,7 @@ class _SharedMLP(LlamaMLP):
                          intermediate_size=hf_config.shared_intermediate_size)
 
 
-class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
+class GraniteMoeHybridDecoderLayer(GraniteMultipliers, BambaDecoderLayer):
     mlp_name = "shared_mlp"
     post_norm_name = "post_attention_layernorm"
     attention_layers = staticmethod(granite_attention_layers)
@@ -75,22 +76,7 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
                  layer_idx: int, rotary_emb: Any, make_mlp: Any = None,
                  make_attention: Any = None) -> None:
         super().__init__(hf_config, ctx, opts, layer_idx, rotary_emb)
-        self.residual_multiplier = float(hf_config.residual_multiplier)
-        self.embedding_multiplier = (float(hf_config.embedding_multiplier)
-                                     if layer_idx == 0 else None)
-
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            if self.embedding_multiplier is not None:
-                hidden = hidden * self.embedding_multiplier
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.mix(rope, hidden) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden) * self.residual_multiplier, residual
+        self.init_multipliers(hf_config, layer_idx)
 
 
 def _moe_block(hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,

@@ -199,7 +199,32 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """The pre-norm residual block of every decoder built on Llama's: ``input_layernorm``,
+    the token mixer (:meth:`mix`: attention here; Mamba in hybrids), the second norm
+    (``post_norm_name``), then the feed-forward block (``mlp_name``). The norms add the
+    residual as they normalize (:class:`RMSNorm` with a residual)."""
+
+    mlp_name = "mlp"
+    post_norm_name = "post_attention_layernorm"
+
+    def mix(self, rope: RopeInputs, hidden: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(rope, hidden)
+
+    def forward(
+        self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.mix(rope, hidden)
+        hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         hf_config: Any,
@@ -223,18 +248,6 @@ class LlamaDecoderLayer(nn.Module):
         common = {**common, "fused_ops": ctx.fused_ops}
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, **common)
-
-    def forward(
-        self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class PPMissingLayer(nn.Module):
