@@ -9,10 +9,8 @@ import random
 import pytest
 
 from engine import SamplingParams
-from tests.entrypoints.test_mamba2 import _check, _generate, _hf_greedy, _slots_all_free
-from tests.helpers.hf_reference import cpu_llm, load_hf_model
-
-MAX_TOKENS = 10
+from tests.helpers.hf_reference import cpu_llm
+from tests.helpers.state_models import reference_for, run_chunked
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +26,8 @@ def test_hybrid_matches_transformers_with_chunked_prefill(model_dir_factory, var
         model_dir = model_dir_factory("granitemoehybrid")
     else:
         model_dir = model_dir_factory("granitemoehybrid", position_embedding_type="rope")
-    hf = load_hf_model(model_dir)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)]
-               for n in (41, 5, 26, 18)]
-    reference = (prompts, [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts])
-    with cpu_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=3) as llm:
-        core = llm.llm_engine.client.core
-        outs = _generate(llm, prompts)
-        assert _slots_all_free(core)
-        runner = core.executor.runner
-        assert len(runner.kv_caches) == 1 and len(runner.state_caches) == 3
-    _check(outs, reference)
+    runner, _ = run_chunked(model_dir, reference_for(model_dir, 1))
+    assert len(runner.kv_caches) == 1 and len(runner.state_caches) == 3
 
 
 def test_long_request_holds_blocks_for_the_attention_layer_only(bamba_dir):

@@ -9,21 +9,16 @@ keep a per-request state right is refused or turned off clearly.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from engine import SamplingParams
-from tests.helpers.hf_reference import (
-    assert_matches_reference,
-    cpu_llm,
-    hf_logprobs,
-    load_hf_model,
-    sampled_logprobs,
+from tests.helpers.hf_reference import cpu_llm
+from tests.helpers.state_models import (
+    allocated_state_bytes,
+    check_against,
+    generate_greedy,
+    reference_for,
+    slots_all_free,
 )
-
-MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -34,47 +29,14 @@ def mamba2_dir(model_dir_factory):
 @pytest.fixture(scope="module")
 def reference(mamba2_dir):
     """Prompts (a few longer than a 16-token chunk) and transformers' greedy outputs."""
-    hf = load_hf_model(mamba2_dir)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)]
-               for n in (45, 3, 23, 17, 31)]
-    return prompts, [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
-
-
-def _hf_greedy(hf, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Transformers' greedy tokens and each step's float64 logprobs, EOS allowed (its
-    ``generate(min_new_tokens=...)`` would mask EOS, which the engine may pick)."""
-    tokens, rows = list(prompt), []
-    for _ in range(max_tokens):
-        row = hf_logprobs(hf, tokens)[-1]
-        rows.append(row)
-        tokens.append(int(row.argmax()))
-    return tokens[len(prompt):], torch.stack(rows)
-
-
-def _generate(llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                            logprobs=0)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def _check(outs, reference) -> None:
-    for out, (want, ref) in zip(outs, reference[1]):
-        completion = out.outputs[0]
-        assert_matches_reference(list(completion.token_ids), sampled_logprobs(completion),
-                                 want, ref)
-
-
-def _slots_all_free(core) -> bool:
-    slots = core.scheduler.kv_cache_manager.state_slots
-    return slots.num_free == slots.num_slots
+    return reference_for(mamba2_dir, 0, (45, 3, 23, 17, 31))
 
 
 def test_mamba2_matches_transformers_with_chunked_prefill(mamba2_dir, reference):
     with cpu_llm(mamba2_dir, max_num_batched_tokens=16, max_num_seqs=4) as llm:
         core = llm.llm_engine.client.core
-        outs = _generate(llm, reference[0])
-        assert _slots_all_free(core)
+        outs = generate_greedy(llm, reference[0])
+        assert slots_all_free(core)
         assert not core.scheduler.kv_cache_manager.enable_caching  # refused for state models
         runner = core.executor.runner
         assert runner.decode_graphs is None and runner.kv_caches == []  # eager, no KV layers
@@ -84,24 +46,23 @@ def test_mamba2_matches_transformers_with_chunked_prefill(mamba2_dir, reference)
         conv_dim = inner + 2 * cfg.n_groups * cfg.state_size
         per_layer = (conv_dim * (cfg.conv_kernel - 1)
                      + cfg.num_heads * cfg.head_dim * cfg.state_size) * 4  # float32
-        allocated = sum(t[0].numel() * t.element_size()
-                        for layer in runner.state_caches for t in layer)
+        allocated = allocated_state_bytes(runner)
         assert allocated == per_layer * cfg.num_hidden_layers
         assert all(t.shape[0] == 4 + 1 for layer in runner.state_caches for t in layer)
         info = core.executor.worker.kv_cache_info()
         assert info["state_bytes_per_request"] == allocated
         assert info["num_state_layers"] == cfg.num_hidden_layers
-    _check(outs, reference)
+    check_against(outs, reference)
 
 
 def test_mamba2_preemption_recomputes_the_state(mamba2_dir, reference):
     with cpu_llm(mamba2_dir, max_num_batched_tokens=16, max_num_seqs=3,
                  num_gpu_blocks_override=12, block_size=8, max_model_len=80) as llm:
         core = llm.llm_engine.client.core
-        outs = _generate(llm, reference[0])
+        outs = generate_greedy(llm, reference[0])
         assert core.scheduler.num_preemptions_total > 0
-        assert _slots_all_free(core)
-    _check(outs, reference)
+        assert slots_all_free(core)
+    check_against(outs, reference)
 
 
 def test_mamba2_one_request_at_a_time_and_sleep_mode(mamba2_dir, reference):
@@ -109,13 +70,13 @@ def test_mamba2_one_request_at_a_time_and_sleep_mode(mamba2_dir, reference):
     frees the state caches with the KV cache and waking allocates them again."""
     with cpu_llm(mamba2_dir, max_num_seqs=1, enable_sleep_mode=True) as llm:
         runner = llm.llm_engine.client.core.executor.runner
-        outs = _generate(llm, reference[0][:2])
+        outs = generate_greedy(llm, reference[0][:2])
         llm.sleep(level=1)
         assert runner.state_caches == []
         llm.wake_up()
         assert len(runner.state_caches) == runner.model.config.num_hidden_layers
-        outs += _generate(llm, reference[0][2:3])
-    _check(outs, (None, reference[1][:3]))
+        outs += generate_greedy(llm, reference[0][2:3])
+    check_against(outs, (None, reference[1][:3]))
 
 
 def test_mamba2_refuses_speculative_decoding(mamba2_dir):

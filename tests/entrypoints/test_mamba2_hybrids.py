@@ -5,14 +5,9 @@ KV caches only for the attention layers, a state per Mamba-2 layer."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.entrypoints.test_mamba2 import _check, _generate, _hf_greedy, _slots_all_free
-from tests.helpers.hf_reference import cpu_llm, load_hf_model
-
-MAX_TOKENS = 10
+from tests.helpers.state_models import reference_for, run_chunked
 
 # variant, config overrides, (KV cache layers, state layers)
 CASES = {
@@ -33,18 +28,8 @@ CASES = {
 def test_hybrid_matches_transformers_with_chunked_prefill(model_dir_factory, case):
     variant, overrides, (kv_layers, state_layers) = CASES[case]
     model_dir = model_dir_factory(variant, **overrides)
-    hf = load_hf_model(model_dir)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(5, hf.config.vocab_size) for _ in range(n)]
-               for n in (37, 6, 23, 19)]
-    reference = (prompts, [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts])
-    with cpu_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=3) as llm:
-        core = llm.llm_engine.client.core
-        outs = _generate(llm, prompts)
-        assert _slots_all_free(core)
-        runner = core.executor.runner
-        assert (len(runner.kv_caches), len(runner.state_caches)) == (kv_layers, state_layers)
-    _check(outs, reference)
+    runner, _ = run_chunked(model_dir, reference_for(model_dir, 3, (37, 6, 23, 19)))
+    assert (len(runner.kv_caches), len(runner.state_caches)) == (kv_layers, state_layers)
 
 
 def test_nemotron_h_block_types_and_refusals():

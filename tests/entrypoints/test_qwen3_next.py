@@ -19,7 +19,7 @@ import torch
 
 from engine.model_executor.models.bamba import BambaForCausalLM
 from engine.model_executor.models.qwen3_next import Qwen3NextForCausalLM, layer_kinds
-from tests.entrypoints.test_mamba1_jamba import _reference, _run
+from tests.helpers.state_models import reference_for, run_chunked
 
 
 def _perturb_norms(model_dir) -> None:
@@ -48,7 +48,7 @@ def test_qwen3_next_matches_transformers_with_chunked_prefill(model_dir_factory,
                                                               monkeypatch):
     model_dir = model_dir_factory("qwen3_next")
     _perturb_norms(model_dir)
-    runner, info = _run(model_dir, _reference(model_dir, 0), monkeypatch)
+    runner, info = run_chunked(model_dir, reference_for(model_dir, 0), monkeypatch)
     cfg = runner.model.config
     assert len(runner.kv_caches) == info["num_layers"] == 1  # the full-attention layer
     assert info["num_state_layers"] == 3
