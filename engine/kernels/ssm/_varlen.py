@@ -142,3 +142,12 @@ def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 def from_chunks(y: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """``[num_chunks, chunk_size, ...]`` -> ``[T, ...]`` (drops the padding)."""
     return y.reshape(layout.num_chunks * layout.chunk_size, *y.shape[2:])[layout.token_pos]
+
+
+def initial_state_flags(has_initial_state: torch.Tensor | None, num_reqs: int,
+                        device: torch.device) -> torch.Tensor:
+    """``has_initial_state`` as the kernels take it: None means every request reads its
+    slot (decodes and continued prefills)."""
+    if has_initial_state is None:
+        return torch.ones(num_reqs, dtype=torch.bool, device=device)
+    return has_initial_state

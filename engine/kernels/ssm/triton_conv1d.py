@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
 _INTERPRETED = interpreting()
@@ -110,8 +111,7 @@ def causal_conv1d_prefill(
     out = torch.empty_like(x)
     if num_reqs == 0 or num_tokens == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=x.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, x.device)
     init = has_initial_state.to(torch.int32)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.ssm.triton_gated_delta_chunked import gated_delta_prefill
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
@@ -89,8 +90,7 @@ def gated_delta_recurrent(
     out = torch.empty_like(v)
     if num_reqs == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=v.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, v.device)
     block_v = min(32, next_power_of_2(v_dim))
     grid = (num_reqs, num_v_heads, triton.cdiv(v_dim, block_v))
     _gated_delta_kernel[grid](

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.ssm.triton_mamba_ssd_chunked import _chunk_table
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
@@ -145,8 +146,7 @@ def gated_delta_prefill(
     out = torch.empty_like(v)
     if num_reqs == 0 or v.shape[0] == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=v.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, v.device)
     chunk = max(16, min(64, next_power_of_2(chunk_size)))
     num_chunks, cstart, clen, first, n_chunks = _chunk_table(query_start_loc, chunk)
     k_pad = max(16, next_power_of_2(k_dim))

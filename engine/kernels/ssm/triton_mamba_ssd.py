@@ -17,6 +17,7 @@ from engine.kernels.ssm.mamba_ssd import NO_LIMIT, DtLimit
 from engine.kernels.ssm.triton_mamba_ssd_chunked import mamba2_ssd_prefill
 
 __all__ = ["mamba2_ssd_decode", "mamba2_ssd_prefill", "mamba2_ssd_recurrent"]
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
 _INTERPRETED = interpreting()
@@ -108,8 +109,7 @@ def mamba2_ssd_recurrent(
     out = torch.empty_like(x)
     if num_reqs == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=x.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, x.device)
     init = has_initial_state.to(torch.int32)
     has_limit = dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf"))
     lo, hi = (dt_limit if has_limit else NO_LIMIT)

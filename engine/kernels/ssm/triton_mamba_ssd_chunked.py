@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.ssm.mamba_ssd import NO_LIMIT, DtLimit
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
@@ -196,8 +197,7 @@ def mamba2_ssd_prefill(
     out = torch.empty_like(x)
     if num_reqs == 0 or x.shape[0] == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=x.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, x.device)
     chunk = max(16, min(64, next_power_of_2(chunk_size)))
     num_chunks, cstart, clen, first, n_chunks = _chunk_table(query_start_loc, chunk)
     has_limit = dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf"))

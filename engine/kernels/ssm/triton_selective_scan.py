@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.ssm._varlen import initial_state_flags
 from engine.kernels.triton_utils import check_device, interpreting, next_power_of_2
 
 _INTERPRETED = interpreting()
@@ -88,8 +89,7 @@ def selective_scan_prefill(
     out = torch.empty_like(x)
     if num_reqs == 0:
         return out
-    if has_initial_state is None:
-        has_initial_state = torch.ones(num_reqs, dtype=torch.bool, device=x.device)
+    has_initial_state = initial_state_flags(has_initial_state, num_reqs, x.device)
     block_d = min(64, next_power_of_2(dim))
     grid = (num_reqs, triton.cdiv(dim, block_d))
     _selective_scan_kernel[grid](
