@@ -4,7 +4,11 @@ Contract (engine/core/interfaces/moe.py): ``hidden [T, H]``, ``w13 [E, 2I, H]`` 
 then up rows), ``w2 [E, H, I]``, ``topk_weights [T, k]`` float32 and ``topk_ids [T, k]``
 local expert ids (``-1``: served by another rank). The result is
 ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(w1[e] x) * (w3[e] x))`` with
-``e = topk_ids[t, j]`` and ``x = hidden[t]``, in hidden's dtype.
+``e = topk_ids[t, j]`` and ``x = hidden[t]``, in hidden's dtype. Ungated experts
+(``gated=False``, Nemotron-H): ``w13 [E, I, H]`` holds the up rows alone and the expert
+is ``w2[e] @ act(w13[e] x)`` (``act`` a key of :data:`UNGATED_ACTIVATIONS`, e.g.
+``relu2``: ``relu(x) ** 2``); step 3 then activates the ``[T * k, I]`` rows in place of
+the gate / up product.
 
 Algorithm. The ``T * k`` (token, choice) pairs are numbered ``pair = t * k + j``.
 
@@ -83,6 +87,12 @@ ACTIVATIONS: dict[str, str] = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
     "swigluoai": "swigluoai",  # GPT-OSS's clamped SwiGLU (not act(gate) * up)
+}
+# Activations of ungated experts (``act(w13 x)``; engine/core/interfaces/moe.py).
+UNGATED_ACTIVATIONS: dict[str, str] = {
+    "relu2": "relu2",  # relu(x) ** 2 (Nemotron-H)
+    "silu": "silu",
+    "gelu": "gelu",
 }
 
 
@@ -246,7 +256,7 @@ def _sigmoid(x):
 
 @_jit
 def _gated_activation_kernel(
-    gate_up_ptr,  # [T * k, 2I]: gate columns, then up columns
+    gate_up_ptr,  # [T * k, 2I]: gate columns, then up columns ([T * k, I]: not GATED)
     out_ptr,  # [T * k, I]
     expert_of_pair_ptr,  # [T * k]: topk_ids flattened
     bias_ptr,  # [E, 2I] gate then up biases (HAS_BIAS)
@@ -258,13 +268,15 @@ def _gated_activation_kernel(
     stride_on,
     stride_be,
     stride_bn,
-    ACTIVATION: tl.constexpr,  # "silu" | "gelu" | "gelu_tanh" | "swigluoai"
+    ACTIVATION: tl.constexpr,  # "silu" | "gelu" | "gelu_tanh" | "swigluoai" | "relu2"
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # False: out = act(x), the row holding the up projection alone
     ALPHA: tl.constexpr,  # swigluoai's sigmoid gain
     LIMIT: tl.constexpr,  # swigluoai's clamp
     BLOCK_I: tl.constexpr,
 ):
-    """``out[pair] = act(gate) * up`` for one pair's row (one column tile of it)."""
+    """``out[pair] = act(gate) * up`` (not GATED: ``act(up)``) for one pair's row (one
+    column tile of it)."""
     pair = tl.program_id(0)
     col_tile = tl.program_id(1)
     expert = tl.load(expert_of_pair_ptr + pair)
@@ -274,14 +286,21 @@ def _gated_activation_kernel(
     mask = cols < intermediate_size
     row = gate_up_ptr + pair.to(tl.int64) * stride_gm
     gate = tl.load(row + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + (cols + intermediate_size) * stride_gn, mask=mask, other=0.0)
-    up = up.to(tl.float32)
+    bias = bias_ptr + expert.to(tl.int64) * stride_be  # read only when HAS_BIAS
     if HAS_BIAS:
-        bias = bias_ptr + expert.to(tl.int64) * stride_be
         gate += tl.load(bias + cols * stride_bn, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(bias + (cols + intermediate_size) * stride_bn, mask=mask,
-                      other=0.0).to(tl.float32)
-    if ACTIVATION == "swigluoai":
+    if GATED:
+        up = tl.load(row + (cols + intermediate_size) * stride_gn, mask=mask, other=0.0)
+        up = up.to(tl.float32)
+        if HAS_BIAS:
+            up += tl.load(bias + (cols + intermediate_size) * stride_bn, mask=mask,
+                          other=0.0).to(tl.float32)
+    else:
+        up = tl.full([BLOCK_I], 1.0, dtype=tl.float32)
+    if ACTIVATION == "relu2":
+        gate = tl.maximum(gate, 0.0)
+        gated = gate * gate * up
+    elif ACTIVATION == "swigluoai":
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
         gated = (up + 1.0) * (gate * _sigmoid(gate * ALPHA))
@@ -391,16 +410,19 @@ def _validate(
     activation: str,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
 ) -> None:
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got {tuple(hidden.shape)}")
     num_tokens, hidden_size = hidden.shape
-    if w13.dim() != 3 or w13.shape[2] != hidden_size or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be [E, 2I, {hidden_size}], got {tuple(w13.shape)}")
+    rows = "2I" if gated else "I"
+    if w13.dim() != 3 or w13.shape[2] != hidden_size or (gated and w13.shape[1] % 2):
+        raise ValueError(f"w13 must be [E, {rows}, {hidden_size}], got {tuple(w13.shape)}")
     num_experts, inter2, _ = w13.shape
-    if w2.shape != (num_experts, hidden_size, inter2 // 2):
+    inter = inter2 // 2 if gated else inter2
+    if w2.shape != (num_experts, hidden_size, inter):
         raise ValueError(
-            f"w2 must be [{num_experts}, {hidden_size}, {inter2 // 2}], got {tuple(w2.shape)}"
+            f"w2 must be [{num_experts}, {hidden_size}, {inter}], got {tuple(w2.shape)}"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids must be [{num_tokens}, k], got {tuple(topk_ids.shape)}")
@@ -414,9 +436,11 @@ def _validate(
         raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         check_dtype(name, tensor)
-    if activation not in ACTIVATIONS:
+    supported = ACTIVATIONS if gated else UNGATED_ACTIVATIONS
+    if activation not in supported:
         raise ValueError(
-            f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            f"{'' if gated else 'ungated '}activation {activation!r} is not supported; "
+            f"supported: {', '.join(supported)}"
         )
     biases = [b for b in (w13_bias, w2_bias) if b is not None]
     if w13_bias is not None and w13_bias.shape != (num_experts, inter2):
@@ -483,6 +507,7 @@ def fused_moe(
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    gated: bool = True,
 ) -> torch.Tensor:
     """The experts' half of a MoE layer: ``[T, H]`` in hidden's dtype (the module
     docstring gives the formula and the steps).
@@ -490,13 +515,15 @@ def fused_moe(
     ``activation``: a key of :data:`ACTIVATIONS`. ``config``: override the tiles chosen by
     :func:`choose_config` (powers of two, >= 16 on a GPU). ``out``: a ``[T, H]`` tensor of
     hidden's dtype to write into (every element is written), returned. ``w13_bias [E, 2I]``
-    / ``w2_bias [E, H]``: expert biases (either optional).
+    / ``w2_bias [E, H]``: expert biases (either optional). ``gated=False``: ungated experts,
+    ``w13 [E, I, H]`` (``w13_bias [E, I]``) and ``activation`` a key of
+    :data:`UNGATED_ACTIVATIONS`.
     """
     require_triton()
-    _validate(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias)
+    _validate(hidden, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias, gated)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter2, _ = w13.shape
-    intermediate_size = inter2 // 2
+    intermediate_size = inter2 // 2 if gated else inter2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     device = hidden.device
@@ -538,8 +565,9 @@ def fused_moe(
         *gate_up.stride(),
         *activated.stride(),
         *(w13_bias.stride() if w13_bias is not None else (0, 0)),
-        ACTIVATION=ACTIVATIONS[activation],
+        ACTIVATION=(ACTIVATIONS if gated else UNGATED_ACTIVATIONS)[activation],
         HAS_BIAS=w13_bias is not None,
+        GATED=gated,
         ALPHA=SWIGLUOAI_ALPHA,
         LIMIT=SWIGLUOAI_LIMIT,
         BLOCK_I=block_i,
@@ -576,6 +604,7 @@ class TritonFusedMoEKernel(FusedMoEKernel):
 
     name: ClassVar[str] = "triton_fused_moe"
     supports_expert_bias: ClassVar[bool] = True
+    supports_ungated: ClassVar[bool] = True
 
     @classmethod
     def can_implement(cls, spec: MoELayerSpec) -> str | None:
@@ -590,9 +619,11 @@ class TritonFusedMoEKernel(FusedMoEKernel):
                 )
         elif device_type not in GPU_DEVICE_TYPES:
             return f"Triton kernels run on {', '.join(GPU_DEVICE_TYPES)} devices, not {device_type}"
-        if spec.activation not in ACTIVATIONS:
-            supported = ", ".join(ACTIVATIONS)
-            return f"activation {spec.activation!r} is not supported; supported: {supported}"
+        activations = ACTIVATIONS if spec.gated else UNGATED_ACTIVATIONS
+        if spec.activation not in activations:
+            supported = ", ".join(activations)
+            kind = "activation" if spec.gated else "ungated activation"
+            return f"{kind} {spec.activation!r} is not supported; supported: {supported}"
         if spec.dtype not in SUPPORTED_DTYPES:
             return f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)"
         if min(spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.top_k) < 1:
@@ -610,6 +641,7 @@ class TritonFusedMoEKernel(FusedMoEKernel):
         *,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
+        gated: bool = True,
     ) -> torch.Tensor:
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation,
-                         w13_bias=w13_bias, w2_bias=w2_bias)
+                         w13_bias=w13_bias, w2_bias=w2_bias, gated=gated)

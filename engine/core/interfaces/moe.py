@@ -17,6 +17,11 @@ first has no down bias): ``g, u = w1 x + b1, w3 x + b3``, ``y = w2 @ h + b2``, t
 routing weight scaling the whole ``y``. Activation ``"swigluoai"`` (GPT-OSS's clamped
 SwiGLU) is not ``act(g) * u`` but ``h = (clamp(u, -7, 7) + 1) * g' * sigmoid(1.702 g')``
 with ``g' = clamp(g, max=7)`` (:data:`SWIGLUOAI_ALPHA`, :data:`SWIGLUOAI_LIMIT`).
+
+Ungated experts (``MoELayerSpec.gated`` False; Nemotron-H): ``w13[e]`` is ``[I, H]``, the
+up projection alone, and ``y = w2 @ act(w13 x)``; activation ``"relu2"`` is
+``relu(x) ** 2`` (:data:`UNGATED_ACTIVATIONS`). Such a layer is given only to a kernel with
+``supports_ungated``, which apply() then receives with ``gated=False``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
 
 SWIGLUOAI_ALPHA = 1.702  # GPT-OSS: sigmoid gain of the clamped SwiGLU
 SWIGLUOAI_LIMIT = 7.0  # GPT-OSS: the clamp on gate (above) and up (both sides)
+# Activations of ungated experts, ``y = w2 @ act(w13 x)`` (relu2: relu(x) ** 2)
+UNGATED_ACTIVATIONS = ("relu2", "silu", "gelu")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class MoELayerSpec:
     device: "torch.device"
     activation: str = "silu"  # the gate's activation (gated MLP experts), or "swigluoai"
     has_bias: bool = False  # expert biases w13_bias / w2_bias (see the module docstring)
+    gated: bool = True  # False: ungated experts, w13 [E, I, H] (see the module docstring)
 
 
 class FusedMoEKernel(ABC):
@@ -52,6 +60,8 @@ class FusedMoEKernel(ABC):
     name: ClassVar[str]
     # Whether apply() takes w13_bias / w2_bias (a ``has_bias`` layer is refused otherwise)
     supports_expert_bias: ClassVar[bool] = False
+    # Whether apply() takes ``gated=False`` layers (an ungated layer is refused otherwise)
+    supports_ungated: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -70,9 +80,12 @@ class FusedMoEKernel(ABC):
         *,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
+        gated: bool = True,
     ) -> "torch.Tensor":
         """``hidden [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``topk_weights
         [T, k]`` float32, ``topk_ids [T, k]`` int (local expert ids, -1: not here) ->
         ``[T, H]`` in hidden's dtype. A token whose choices are all elsewhere gets 0.
         ``w13_bias`` / ``w2_bias``: passed only for a ``has_bias`` layer, which only a
-        kernel with ``supports_expert_bias`` is given."""
+        kernel with ``supports_expert_bias`` is given. ``gated=False``: ``w13 [E, I, H]``,
+        passed only for an ungated layer, which only a kernel with ``supports_ungated``
+        is given."""

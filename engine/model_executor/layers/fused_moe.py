@@ -16,7 +16,10 @@ then up rows; ``w2 [E, H, I]``) so one kernel call runs them all. Checkpoint ten
 checkpoint stacks a layer's experts in one tensor hands it over in this layout through
 :meth:`FusedMoE.load_stacked`. With ``bias`` the experts also have ``w13_bias [E, 2I]``
 and ``w2_bias [E, H]`` (GPT-OSS; the down bias is added once, by the first rank, when the
-partial sums are all-reduced).
+partial sums are all-reduced). Ungated experts (``gated=False``; Nemotron-H:
+``down(act(up x))``, ``activation`` "relu2") have ``w13 [E, I, H]``, the up rows alone:
+checkpoint ``up_proj`` / ``w3`` loads into it, a gate projection is refused, and only a
+kernel that declares ``supports_ungated`` is chosen.
 
 Parallelism, over the tensor-parallel group:
 
@@ -40,6 +43,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.core.interfaces import Communicator, FusedMoEKernel, MoELayerSpec
+from engine.core.interfaces.moe import UNGATED_ACTIVATIONS
 from engine.model_executor.layers.linear import copy_checked, divide, tp_rank_size
 from engine.model_executor.lazy_tensor import materialize, split_part
 
@@ -104,6 +108,9 @@ def select_moe_kernel(spec: MoELayerSpec, kernels: list[type[FusedMoEKernel]]) -
         if why is None and spec.has_bias and not getattr(kernel_cls, "supports_expert_bias",
                                                          False):
             why = "it has no expert biases"
+        if why is None and not spec.gated and not getattr(kernel_cls, "supports_ungated",
+                                                          False):
+            why = "it has no ungated experts (gated MLP experts only)"
         if why is None:
             return kernel_cls()
         reasons.append(f"{kernel_cls.name}: {why}")
@@ -142,10 +149,15 @@ class FusedMoE(nn.Module):
         expert_parallel: bool = False,
         activation: str = "silu",
         bias: bool = False,
+        gated: bool = True,
     ) -> None:
         super().__init__()
         self.router = router
         self.activation = activation
+        self.gated = gated
+        if not gated and activation not in UNGATED_ACTIVATIONS:
+            raise ValueError(f"ungated experts' activation {activation!r} is not supported "
+                             f"(supported: {', '.join(UNGATED_ACTIVATIONS)})")
         self.hidden_size = hidden_size
         rank, size = tp_rank_size(tp)
         self.comm = tp if size > 1 else None
@@ -162,18 +174,20 @@ class FusedMoE(nn.Module):
                              "the experts' intermediate features")
         self.intermediate_size = local_inter
         e = self.num_local_experts
-        self.w13 = nn.Parameter(torch.empty(e, 2 * local_inter, hidden_size, dtype=dtype,
+        rows13 = 2 * local_inter if gated else local_inter  # gate + up rows, or up alone
+        self.w13 = nn.Parameter(torch.empty(e, rows13, hidden_size, dtype=dtype,
                                             device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, local_inter, dtype=dtype,
                                            device=device), requires_grad=False)
         local = range(self.first_expert, self.first_expert + e)
         self.w13.weight_loader = self._load_expert
-        self.w13.shard_ids = tuple((part, g) for g in local for part in ("w1", "w3"))
+        self.w13.shard_ids = tuple((part, g) for g in local
+                                   for part in (("w1", "w3") if gated else ("w3",)))
         self.w2.weight_loader = self._load_expert
         self.w2.shard_ids = tuple(("w2", g) for g in local)
         self.w13_bias = self.w2_bias = None
         if bias:
-            self.w13_bias = nn.Parameter(torch.empty(e, 2 * local_inter, dtype=dtype,
+            self.w13_bias = nn.Parameter(torch.empty(e, rows13, dtype=dtype,
                                                      device=device), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype, device=device),
                                         requires_grad=False)
@@ -181,7 +195,7 @@ class FusedMoE(nn.Module):
         self.adds_down_bias = self.expert_parallel or rank == 0
         self.kernel = select_moe_kernel(
             MoELayerSpec(e, hidden_size, local_inter, router.top_k, dtype, torch.device(device),
-                         activation, has_bias=bias), kernels)
+                         activation, has_bias=bias, gated=gated), kernels)
         self.load = ExpertLoad(router.num_experts, torch.device(device))
 
     @property
@@ -211,15 +225,22 @@ class FusedMoE(nn.Module):
             return
         if part not in ("w1", "w3"):
             raise ValueError(f"expert weights have parts w1, w2, w3, not {part!r}")
-        rows = param[local, :inter] if part == "w1" else param[local, inter:]
+        if not self.gated:
+            if part == "w1":
+                raise ValueError(f"expert {expert}: ungated experts have no gate projection "
+                                 "(w1 / gate_proj)")
+            rows = param[local]
+        else:
+            rows = param[local, :inter] if part == "w1" else param[local, inter:]
         copy_checked(rows, materialize(split_part(loaded, 0, index, parts)),
                      f"expert {expert} {part}")
 
     def load_stacked(self, name: str, loaded: Any) -> None:
         """A checkpoint tensor holding every expert of the layer, already in this layer's
         layout with the whole intermediate size: ``w13 [E, 2I, H]`` (gate rows, then up
-        rows), ``w2 [E, H, I]``, ``w13_bias [E, 2I]``, ``w2_bias [E, H]``. This rank's
-        experts and intermediate part are copied."""
+        rows; ungated: ``[E, I, H]``, up rows only), ``w2 [E, H, I]``, ``w13_bias [E, 2I]``
+        (ungated ``[E, I]``), ``w2_bias [E, H]``. This rank's experts and intermediate part
+        are copied."""
         param = getattr(self, name, None) if name in ("w13", "w2", "w13_bias",
                                                       "w2_bias") else None
         if param is None:
@@ -229,7 +250,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: {loaded.shape[0]} experts, the layer has {experts}")
         mine = materialize(loaded.narrow(0, self.first_expert, self.num_local_experts))
         index, parts = self.intermediate_part
-        if name in ("w13", "w13_bias"):
+        if name in ("w13", "w13_bias") and not self.gated:
+            mine = split_part(mine, 1, index, parts)
+        elif name in ("w13", "w13_bias"):
             gate, up = mine.chunk(2, dim=1)
             mine = torch.cat((split_part(gate, 1, index, parts),
                               split_part(up, 1, index, parts)), dim=1)
@@ -255,11 +278,14 @@ class FusedMoE(nn.Module):
 
     def _apply(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                ) -> torch.Tensor:
-        if self.w13_bias is None:
-            return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation)
+        # keywords only where the layer needs them (kernels without the feature were
+        # refused at selection and may not take them)
+        extra: dict[str, Any] = {} if self.gated else {"gated": False}
+        if self.w13_bias is not None:
+            extra["w13_bias"] = self.w13_bias
+            extra["w2_bias"] = self.w2_bias if self.adds_down_bias else None
         return self.kernel.apply(hidden, self.w13, self.w2, weights, ids, self.activation,
-                                 w13_bias=self.w13_bias,
-                                 w2_bias=self.w2_bias if self.adds_down_bias else None)
+                                 **extra)
 
     def _forward_expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor,
                                  ids: torch.Tensor) -> torch.Tensor:
@@ -301,4 +327,5 @@ class FusedMoE(nn.Module):
         mode = "expert parallel" if self.expert_parallel else "tensor parallel"
         return (f"experts={self.router.num_experts} (local {self.num_local_experts}, {mode}), "
                 f"top_k={self.router.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}")
+                f"intermediate={self.intermediate_size}"
+                + ("" if self.gated else f", ungated {self.activation}"))

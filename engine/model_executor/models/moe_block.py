@@ -52,7 +52,14 @@ class SparseMoeBlock(nn.Module):
         shared_expert_gate: bool = False,
         correction_bias: bool = False,
         router_dtype: torch.dtype | None = None,
+        activation: str | None = None,
+        gated: bool = True,
+        expert_hidden_size: int | None = None,
     ) -> None:
+        """``activation`` (default the config's ``hidden_act``) and ``gated`` (False:
+        ungated experts, ``down(act(up x))``) describe the routed experts;
+        ``expert_hidden_size``: the experts' input / output width where it is not the
+        model's (a subclass projects into it, see :meth:`routed`)."""
         super().__init__()
         hidden = hf_config.hidden_size
         self.tp = ctx.tp
@@ -66,9 +73,10 @@ class SparseMoeBlock(nn.Module):
                 torch.zeros(router.num_experts, dtype=torch.float32, device=ctx.device),
                 requires_grad=False)
         self.experts = FusedMoE(
-            router, hidden, moe_intermediate_size, dtype=ctx.dtype, device=ctx.device,
-            kernels=ctx.moe_kernels, tp=ctx.tp, expert_parallel=ctx.expert_parallel,
-            activation=getattr(hf_config, "hidden_act", "silu"),
+            router, expert_hidden_size or hidden, moe_intermediate_size, dtype=ctx.dtype,
+            device=ctx.device, kernels=ctx.moe_kernels, tp=ctx.tp,
+            expert_parallel=ctx.expert_parallel,
+            activation=activation or getattr(hf_config, "hidden_act", "silu"), gated=gated,
         )
         self.shared_expert_name = shared_expert_name if shared_expert is not None else None
         if shared_expert is not None:
@@ -77,9 +85,13 @@ class SparseMoeBlock(nn.Module):
             ReplicatedLinear(hidden, 1, bias=False, dtype=ctx.dtype, device=ctx.device)
             if shared_expert_gate else None)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output (partial sums under TP)."""
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        routed = self.experts(hidden, self.gate(hidden.to(self.router_dtype)), bias)
+        return self.experts(hidden, self.gate(hidden.to(self.router_dtype)), bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        routed = self.routed(hidden)
         shared = None
         if self.shared_expert_name is not None:  # partial sums under TP (no reduce)
             shared = getattr(self, self.shared_expert_name)(hidden)

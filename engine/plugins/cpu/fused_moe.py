@@ -4,8 +4,9 @@ The (token, choice) pairs are sorted by expert once (argsort), the tokens gather
 order, and each expert's contiguous run of rows goes through its two GEMMs (torch's, on
 oneDNN / MKL) with the gated activation between them; the routing weights scale the rows
 and one ``index_add_`` sums each token's choices. The Python loop is over experts that
-received tokens (at most ``E`` GEMM pairs per layer), never over tokens. Expert biases
-and GPT-OSS's clamped SwiGLU (``swigluoai``) follow the interface's definitions.
+received tokens (at most ``E`` GEMM pairs per layer), never over tokens. Expert biases,
+GPT-OSS's clamped SwiGLU (``swigluoai``) and ungated experts (``gated=False``: ``act(w13
+x)``, e.g. Nemotron-H's ``relu2``) follow the interface's definitions.
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from torch.profiler import record_function
 
 from engine.core.batch_invariance import batch_invariant_enabled, fixed_shape_linear
 from engine.core.interfaces import FusedMoEKernel, MoELayerSpec
-from engine.core.interfaces.moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from engine.core.interfaces.moe import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, UNGATED_ACTIVATIONS
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+_UNGATED = {"silu": F.silu, "gelu": F.gelu, "relu2": _relu2}
+assert set(_UNGATED) == set(UNGATED_ACTIVATIONS)
 
 
 def _gated(act: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -34,12 +42,17 @@ def _gated(act: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 class CPUFusedMoE(FusedMoEKernel):
     name = "cpu_grouped_gemm"
     supports_expert_bias = True
+    supports_ungated = True
 
     @classmethod
     def can_implement(cls, spec: MoELayerSpec) -> str | None:
         if spec.device.type != "cpu":
             return f"runs on the CPU, not {spec.device.type}"
-        if spec.activation not in (*_ACTIVATIONS, "swigluoai"):
+        if not spec.gated:
+            if spec.activation not in _UNGATED:
+                return (f"ungated activation {spec.activation!r} is not one of "
+                        f"{sorted(_UNGATED)}")
+        elif spec.activation not in (*_ACTIVATIONS, "swigluoai"):
             return (f"activation {spec.activation!r} is not one of "
                     f"{sorted(_ACTIVATIONS) + ['swigluoai']}")
         if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -47,7 +60,13 @@ class CPUFusedMoE(FusedMoEKernel):
         return None
 
     def apply(self, hidden, w13, w2, topk_weights, topk_ids, activation="silu", *,
-              w13_bias=None, w2_bias=None):
+              w13_bias=None, w2_bias=None, gated=True):
+        inter = w2.shape[2]
+        if w13.shape[1] != (2 * inter if gated else inter):
+            raise ValueError(f"w13 {tuple(w13.shape)} does not fit {'gated' if gated else 'ungated'}"
+                             f" experts of intermediate size {inter}")
+        if not gated and activation not in _UNGATED:
+            raise ValueError(f"ungated activation {activation!r} is not one of {sorted(_UNGATED)}")
         num_tokens, top_k = topk_ids.shape
         out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         with record_function("moe.permute"):
@@ -61,7 +80,6 @@ class CPUFusedMoE(FusedMoEKernel):
             counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
             tokens = pairs // top_k
             rows = hidden.index_select(0, tokens)
-        inter = w2.shape[2]
         # an expert's row count follows the batch: in batch-invariant mode one GEMM
         # shape for every call (torch's GEMMs pick their reduction order by shape)
         linear = fixed_shape_linear if batch_invariant_enabled() else F.linear
@@ -75,8 +93,11 @@ class CPUFusedMoE(FusedMoEKernel):
                 bias13 = None if w13_bias is None else w13_bias[expert]
                 bias2 = None if w2_bias is None else w2_bias[expert]
                 gate_up = linear(segment, w13[expert], bias13)
-                gated = _gated(activation, gate_up, inter)
-                done[start : start + count] = linear(gated, w2[expert], bias2)
+                if gated:
+                    activated = _gated(activation, gate_up, inter)
+                else:
+                    activated = _UNGATED[activation](gate_up)
+                done[start : start + count] = linear(activated, w2[expert], bias2)
                 start += count
         with record_function("moe.combine"):
             scale = topk_weights.flatten()[pairs].unsqueeze(1)
