@@ -97,3 +97,31 @@ def test_nemotron_h_moe_refusals():
     ctx = SimpleNamespace(tp=None, quantization=plan, linear_method=lambda *names: None)
     with pytest.raises(ValueError, match=r"quantized experts \(mxfp4\)"):
         NemotronHMoE(config, ctx, "model.layers.1.mixer")
+
+
+def test_nemotron_h_moe_loads_stacked_experts(model_dir_factory, tmp_path):
+    """A checkpoint with each layer's experts stacked (transformers' in-memory
+    ``experts.up_proj [E, I, H]`` / ``experts.down_proj [E, H, I]``) runs like the
+    per-expert one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, overrides, _ = CASES["nemotron_h-moe-grouped"]
+    source = model_dir_factory("nemotron_h", **overrides)
+    _randomize_correction_bias(source)
+    reference = reference_for(source, 5, (21, 9))
+    stacked_dir = tmp_path / "stacked"
+    shutil.copytree(source, stacked_dir)
+    for path in sorted(stacked_dir.glob("*.safetensors")):
+        tensors, stacked = load_file(path), {}
+        for name in sorted(tensors):
+            stem, sep, rest = name.partition(".experts.")
+            if sep and rest.split(".")[0].isdigit():
+                expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
+                stacked.setdefault(f"{stem}.experts.{proj}", {})[expert] = tensors.pop(name)
+        assert stacked
+        for name, experts in stacked.items():
+            tensors[name] = torch.stack([experts[e] for e in sorted(experts)])
+        save_file(tensors, path, metadata={"format": "pt"})
+    run_chunked(stacked_dir, reference)
