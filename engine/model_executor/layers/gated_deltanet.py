@@ -14,10 +14,17 @@ a gated RMSNorm per value head with ``z``; then ``out_proj``.
 States and step metadata come from the forward context as for the Mamba mixers; a step
 mixing decodes and prefills runs each part on its own kernels (the Mamba-1 mixer's
 :func:`~engine.model_executor.layers.mamba1.by_parts`).
+
+Tensor parallelism (vLLM's split): the key heads are cut over the ranks, each with its
+value-head group. ``in_proj_qkvz`` / ``in_proj_ba`` are laid out per key head, so a
+plain column-parallel cut gives each rank its key heads' q, k, v, z, b and a; the conv's
+q, k and v channels, ``A_log`` and ``dt_bias`` are cut to match, the per-head norm is
+replicated, ``out_proj`` is row parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +33,14 @@ from torch import nn
 
 from engine.kernels import ssm
 from engine.model_executor.forward_context import get_forward_context
-from engine.model_executor.layers.linear import ReplicatedLinear
 from engine.model_executor.layers import mamba1
-from engine.model_executor.layers.mamba2 import _Conv1dWeights
+from engine.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.model_executor.layers.mamba2 import (
+    _Conv1dWeights,
+    check_heads,
+    rank_part,
+    sharded_parameter,
+)
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.state_cache import StateLayerSpec, StateMetadata
 
@@ -94,30 +106,33 @@ class GatedDeltaNetMixer(nn.Module):
     def __init__(self, dims: GatedDeltaNetDims, ctx: ModelInitContext, prefix: str,
                  state_index: int) -> None:
         super().__init__()
-        if ctx.tp is not None:
-            raise ValueError("gated DeltaNet layers do not support tensor parallelism yet "
-                             "(tensor_parallel_size must be 1)")
         if dims.activation not in ("silu", "swish"):
             raise ValueError(f"gated DeltaNet: activation {dims.activation!r} is not supported")
         if dims.num_v_heads % dims.num_k_heads:
             raise ValueError("gated DeltaNet: value heads must be a multiple of key heads")
-        self.dims = dims
+        local_k = check_heads(dims.num_k_heads, ctx.tp, "gated DeltaNet: num_k_heads")
+        part = rank_part(ctx.tp)
+        self.full_dims = dims
+        # This rank's key heads and their value-head groups.
+        self.dims = dataclasses.replace(dims, num_k_heads=local_k,
+                                        num_v_heads=local_k * dims.group)
         self.state_index = state_index
         self.dtype = ctx.dtype
-        common = {**ctx.matrix_dtypes, "device": ctx.device}
-        self.in_proj_qkvz = ReplicatedLinear(
+        common = {**ctx.matrix_dtypes, "device": ctx.device, "tp": ctx.tp}
+        self.in_proj_qkvz = ColumnParallelLinear(
             dims.hidden_size, 2 * dims.key_dim + 2 * dims.value_dim, bias=False,
             quant_method=ctx.linear_method(f"{prefix}.in_proj_qkvz"), **common)
-        self.in_proj_ba = ReplicatedLinear(
+        self.in_proj_ba = ColumnParallelLinear(
             dims.hidden_size, 2 * dims.num_v_heads, bias=False,
             quant_method=ctx.linear_method(f"{prefix}.in_proj_ba"), **common)
-        self.conv1d = _Conv1dWeights(dims.conv_dim, dims.conv_kernel, False, ctx.dtype,
-                                     ctx.device)
+        self.conv1d = _Conv1dWeights(
+            dims.conv_dim, dims.conv_kernel, False, ctx.dtype, ctx.device,
+            segments=[(dims.key_dim, part), (dims.key_dim, part), (dims.value_dim, part)])
         f32 = {"dtype": torch.float32, "device": ctx.device}
-        self.dt_bias = nn.Parameter(torch.ones(dims.num_v_heads, **f32), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(dims.num_v_heads, **f32), requires_grad=False)
+        self.dt_bias = sharded_parameter((), [(dims.num_v_heads, part)], fill=1.0, **f32)
+        self.A_log = sharded_parameter((), [(dims.num_v_heads, part)], fill=0.0, **f32)
         self.norm = GatedRMSNorm(dims.head_v_dim, dims.norm_eps, ctx.dtype, ctx.device)
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             dims.value_dim, dims.hidden_size, bias=False,
             quant_method=ctx.linear_method(f"{prefix}.out_proj"), **common)
 

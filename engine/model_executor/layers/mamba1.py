@@ -11,10 +11,16 @@ state ``[d_inner, d_state]`` kept per request); then ``out_proj``.
 States and per-step metadata come from the forward context as for the Mamba-2 mixer
 (:mod:`engine.model_executor.layers.mamba2`): a decode-only step runs the single-step
 kernels, a prefill step the varlen kernels, a mixed step each part on its own.
+
+Tensor parallelism (vLLM's split): the ``d_inner`` channels are cut over the ranks:
+``in_proj`` column parallel (its x and z halves each), the conv, ``dt_proj``, ``A_log``
+and ``D`` by channel, ``x_proj`` row parallel (its time step, B and C all-reduced, so
+every rank scans its channels with the whole B and C), ``out_proj`` row parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,8 +30,15 @@ from torch import nn
 
 from engine.kernels import ssm
 from engine.model_executor.forward_context import get_forward_context
-from engine.model_executor.layers.linear import ReplicatedLinear
-from engine.model_executor.layers.mamba2 import _Conv1dWeights
+from engine.model_executor.layers.linear import RowParallelLinear
+from engine.model_executor.layers.mamba2 import (
+    Segments,
+    StackedColumnLinear,
+    _Conv1dWeights,
+    check_heads,
+    rank_part,
+    sharded_parameter,
+)
 from engine.model_executor.layers.norm import RMSNorm
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.state_cache import StateLayerSpec, StateMetadata
@@ -61,12 +74,11 @@ class _DtProj(nn.Module):
     """``dt_proj``'s weight ``[d_inner, dt_rank]`` and bias, kept apart: the bias goes to
     the scan (added in float32 before the softplus, as transformers does)."""
 
-    def __init__(self, rank: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, rank: int, channels: Segments, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, rank, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(dim, dtype=torch.float32, device=device),
-                                 requires_grad=False)
+        self.weight = sharded_parameter((rank,), channels, dtype=dtype, device=device)
+        self.bias = sharded_parameter((), channels, dtype=torch.float32, device=device)
 
 
 def by_parts(md: StateMetadata, width: int, inputs: tuple[torch.Tensor, ...],
@@ -88,31 +100,31 @@ class Mamba1Mixer(nn.Module):
     def __init__(self, dims: Mamba1Dims, ctx: ModelInitContext, prefix: str,
                  state_index: int) -> None:
         super().__init__()
-        if ctx.tp is not None:
-            raise ValueError("Mamba-1 layers do not support tensor parallelism yet "
-                             "(tensor_parallel_size must be 1)")
         if dims.activation not in ("silu", "swish"):
             raise ValueError(f"Mamba-1: activation {dims.activation!r} is not supported")
-        self.dims = dims
+        inner, n = dims.intermediate_size, dims.d_state
+        local = check_heads(inner, ctx.tp, "Mamba-1: intermediate_size")
+        channels = [(inner, rank_part(ctx.tp))]
+        self.full_dims = dims
+        self.dims = dataclasses.replace(dims, intermediate_size=local)  # this rank's channels
         self.state_index = state_index
         self.dtype = ctx.dtype
-        inner, n = dims.intermediate_size, dims.d_state
-        common = {**ctx.matrix_dtypes, "device": ctx.device}
-        self.in_proj = ReplicatedLinear(dims.hidden_size, 2 * inner, bias=dims.use_bias,
-                                        quant_method=ctx.linear_method(f"{prefix}.in_proj"),
-                                        **common)
+        common = {**ctx.matrix_dtypes, "device": ctx.device, "tp": ctx.tp}
+        self.in_proj = StackedColumnLinear(
+            dims.hidden_size, {"x": inner, "z": inner}, bias=dims.use_bias,
+            quant_method=ctx.linear_method(f"{prefix}.in_proj"), **common)
         self.conv1d = _Conv1dWeights(inner, dims.d_conv, dims.use_conv_bias, ctx.dtype,
-                                     ctx.device)
-        self.x_proj = ReplicatedLinear(inner, dims.dt_rank + 2 * n, bias=False,
-                                       quant_method=ctx.linear_method(f"{prefix}.x_proj"),
-                                       **common)
-        self.dt_proj = _DtProj(dims.dt_rank, inner, ctx.dtype, ctx.device)
+                                     ctx.device, segments=channels)
+        self.x_proj = RowParallelLinear(inner, dims.dt_rank + 2 * n, bias=False,
+                                        quant_method=ctx.linear_method(f"{prefix}.x_proj"),
+                                        **common)
+        self.dt_proj = _DtProj(dims.dt_rank, channels, ctx.dtype, ctx.device)
         f32 = {"dtype": torch.float32, "device": ctx.device}
-        self.A_log = nn.Parameter(torch.empty(inner, n, **f32), requires_grad=False)
-        self.D = nn.Parameter(torch.empty(inner, **f32), requires_grad=False)
-        self.out_proj = ReplicatedLinear(inner, dims.hidden_size, bias=dims.use_bias,
-                                         quant_method=ctx.linear_method(f"{prefix}.out_proj"),
-                                         **common)
+        self.A_log = sharded_parameter((n,), channels, **f32)
+        self.D = sharded_parameter((), channels, **f32)
+        self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.use_bias,
+                                          quant_method=ctx.linear_method(f"{prefix}.out_proj"),
+                                          **common)
         if dims.bcdt_norm_eps is not None:
             norm = {"dtype": ctx.dtype, "device": ctx.device}
             self.dt_layernorm = RMSNorm(dims.dt_rank, dims.bcdt_norm_eps, **norm)

@@ -6,7 +6,8 @@ Each layer: ``input_layernorm`` -> attention or Mamba-2 -> + residual ->
 attention head (``partial_rotary_factor`` 0.5). Only the attention layers hold KV cache
 (their cache indices count attention layers only); the Mamba layers keep per-request
 states (:mod:`engine.model_executor.state_cache`), so a long request holds KV blocks for
-a few layers only. Tensor and pipeline parallelism are refused.
+a few layers only. Tensor parallelism splits the attention heads as Llama's and the
+Mamba-2 heads / groups as the mixer does; pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -107,9 +108,6 @@ class BambaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         nn.Module.__init__(self)
-        if ctx.tp is not None:
-            raise ValueError(f"{type(self).__name__} does not support tensor parallelism "
-                             "yet (its state-space layers)")
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.config = hf_config

@@ -10,7 +10,8 @@ C, dt: the muP vector), ``mlp_multipliers`` on the gate and on the MLP output,
 ``lm_head_multiplier`` on the logits. The mixer's gated RMSNorm is optional
 (``mamba_rms_norm``; without it the output is only gated) and may normalize before the
 gate (``mamba_norm_before_gate``). Every layer is an attention layer for the KV cache and
-a state layer. Tensor and pipeline parallelism are refused.
+a state layer. Tensor parallelism splits both mixers (the muP vector follows the rank's
+``in_proj`` blocks); pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_executor.layers.linear import ReplicatedLinear
-from engine.model_executor.layers.mamba2 import GatedRMSNorm, Mamba2Dims, Mamba2Mixer
+from engine.model_executor.layers.mamba2 import (
+    GatedRMSNorm,
+    Mamba2Dims,
+    Mamba2Mixer,
+    Part,
+    StackedColumnLinear,
+)
 from engine.model_executor.layers.norm import RMSNorm
 from engine.model_executor.layers.rotary import RopeInputs, rotary_for_config
 from engine.model_executor.models.bamba import bamba_mamba_dims
@@ -43,21 +49,20 @@ def falcon_h1_mamba_dims(hf_config: Any) -> Mamba2Dims:
     return dataclasses.replace(bamba_mamba_dims(hf_config), intermediate_size=inter)
 
 
-def mup_vector(hf_config: Any, dims: Mamba2Dims) -> torch.Tensor:
+def mup_vector(block_sizes: Iterable[int], multipliers: Iterable[float]) -> torch.Tensor:
     """One multiplier per ``in_proj`` output feature: ``ssm_multipliers`` over its z, x,
-    B, C and dt blocks."""
-    gn = dims.n_groups * dims.d_state
-    sizes = (dims.intermediate_size, dims.intermediate_size, gn, gn, dims.num_heads)
+    B, C and dt blocks (this rank's sizes of each)."""
     return torch.cat([torch.full((n,), float(m))
-                      for n, m in zip(sizes, hf_config.ssm_multipliers, strict=True)])
+                      for n, m in zip(block_sizes, multipliers, strict=True)])
 
 
-class MupInProj(ReplicatedLinear):
+class MupInProj(StackedColumnLinear):
     """``in_proj`` whose output features are scaled by the muP vector (a buffer, not a
     checkpoint tensor)."""
 
-    def __init__(self, *args: Any, scale: torch.Tensor, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, multipliers: Iterable[float], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        scale = mup_vector(self.shard_sizes.values(), multipliers)
         self.register_buffer("mup_vector", scale.to(kwargs["device"]), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,11 +73,8 @@ class NormThenGate(GatedRMSNorm):
     """``rmsnorm_per_group(x) * weight * silu(z)`` in float32 (``mamba_norm_before_gate``)."""
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        groups = x.float().view(*x.shape[:-1], -1, self.group_size)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight.float() * groups.view(x.shape) * F.silu(z.float())
-        return h.to(dtype)
+        h = self.weight.float() * self.normalize(x.float()) * F.silu(z.float())
+        return h.to(x.dtype)
 
 
 class GateOnly(nn.Module):
@@ -88,18 +90,21 @@ class FalconH1Mixer(Mamba2Mixer):
     def __init__(self, hf_config: Any, ctx: ModelInitContext, layer_idx: int) -> None:
         dims = falcon_h1_mamba_dims(hf_config)
         prefix = f"model.layers.{layer_idx}.mamba"
+        self.ssm_multipliers = tuple(hf_config.ssm_multipliers)  # read by make_in_proj
         super().__init__(dims, ctx, prefix, layer_idx)
-        self.in_proj = MupInProj(dims.hidden_size, dims.intermediate_size + dims.conv_dim
-                                 + dims.num_heads, bias=dims.use_bias,
-                                 quant_method=ctx.linear_method(f"{prefix}.in_proj"),
-                                 **ctx.matrix_dtypes, device=ctx.device,
-                                 scale=mup_vector(hf_config, dims))
         if not hf_config.mamba_rms_norm:
             self.norm = GateOnly()
         elif hf_config.mamba_norm_before_gate:
             self.norm = NormThenGate(dims.intermediate_size,
                                      dims.intermediate_size // dims.n_groups, dims.norm_eps,
-                                     dtype=ctx.dtype, device=ctx.device)
+                                     dtype=ctx.dtype, device=ctx.device, tp=ctx.tp)
+
+    def make_in_proj(self, dims: Mamba2Dims, ctx: ModelInitContext, prefix: str,
+                     blocks: dict[str, int], parts: dict[str, Part]) -> StackedColumnLinear:
+        return MupInProj(dims.hidden_size, blocks, tp=ctx.tp, parts=parts,
+                         bias=dims.use_bias, multipliers=self.ssm_multipliers,
+                         quant_method=ctx.linear_method(f"{prefix}.in_proj"),
+                         **ctx.matrix_dtypes, device=ctx.device)
 
 
 class FalconH1MLP(LlamaMLP):

@@ -60,9 +60,10 @@ class _SharedMLP(LlamaMLP):
     """``shared_mlp``: the gated MLP of ``shared_intermediate_size``."""
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
-                 prefix: str) -> None:
+                 prefix: str, reduce_results: bool = True) -> None:
         super().__init__(hf_config, ctx, opts, prefix,
-                         intermediate_size=hf_config.shared_intermediate_size)
+                         intermediate_size=hf_config.shared_intermediate_size,
+                         reduce_results=reduce_results)
 
 
 class GraniteMoeHybridDecoderLayer(GraniteMultipliers, BambaDecoderLayer):
@@ -81,11 +82,14 @@ class GraniteMoeHybridDecoderLayer(GraniteMultipliers, BambaDecoderLayer):
 
 def _moe_block(hf_config: Any, ctx: ModelInitContext, opts: DecoderOptions,
                prefix: str) -> nn.Module:
-    """``block_sparse_moe`` (routed experts) with ``shared_mlp`` inside it, summed."""
+    """``block_sparse_moe`` (routed experts) with ``shared_mlp`` inside it, summed (under
+    TP the shared MLP's partial sums join the routed experts' in the block's one
+    all-reduce)."""
     shared_prefix = prefix.rsplit(".", 1)[0] + ".shared_mlp"
     router = RouterConfig(hf_config.num_local_experts, hf_config.num_experts_per_tok)
     return SparseMoeBlock(hf_config, ctx, router, hf_config.intermediate_size,
-                          shared_expert=lambda: _SharedMLP(hf_config, ctx, opts, shared_prefix),
+                          shared_expert=lambda: _SharedMLP(hf_config, ctx, opts, shared_prefix,
+                                                           reduce_results=False),
                           shared_expert_name="shared_mlp")
 
 

@@ -8,8 +8,9 @@ MoE (softmax top-k, weights not renormalized; checkpoint ``router`` -> the block
 ``num_experts > 1``, else a gated MLP. Attention uses no position embedding. The layer
 (input norm -> mixer -> + residual -> ``pre_ff_layernorm`` -> feed-forward -> + residual)
 and the model class are Bamba's (:mod:`engine.model_executor.models.bamba`): KV cache for
-the attention layers only, per-request states for the Mamba layers. Tensor and pipeline
-parallelism are refused.
+the attention layers only, per-request states for the Mamba layers. Tensor parallelism
+splits the Mamba-1 channels (:mod:`engine.model_executor.layers.mamba1`); pipeline
+parallelism is refused.
 """
 
 from __future__ import annotations

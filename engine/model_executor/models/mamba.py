@@ -4,7 +4,8 @@
 Mamba-2's model (:mod:`engine.model_executor.models.mamba2`) with the Mamba-1 mixer
 (:mod:`engine.model_executor.layers.mamba1`), so the block, backbone, head tying, weight
 loading and state cache spec are Mamba-2's. No KV cache; ``residual_in_fp32`` keeps the
-residual stream in float32. Tensor and pipeline parallelism are refused.
+residual stream in float32. Tensor parallelism splits each mixer's channels and the
+vocabulary over the ranks; pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class MambaBackbone(Mamba2Backbone):
         nn.Module.__init__(self)
         self.embeddings = VocabEmbedding(hf_config.vocab_size, dims.hidden_size,
                                          **ctx.matrix_dtypes, device=ctx.device,
-                                         fused_ops=ctx.fused_ops)
+                                         fused_ops=ctx.fused_ops, tp=ctx.tp)
         self.layers = nn.ModuleList(MambaBlock(hf_config, dims, ctx, i)
                                     for i in range(hf_config.num_hidden_layers))
         # Reads the float32 residual stream itself (no fused kernel: mixed dtypes).
@@ -68,8 +69,6 @@ class MambaForCausalLM(Mamba2ForCausalLM):
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         nn.Module.__init__(self)
-        if ctx.tp is not None:
-            raise ValueError("MambaForCausalLM does not support tensor parallelism yet")
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.config = hf_config
@@ -78,7 +77,7 @@ class MambaForCausalLM(Mamba2ForCausalLM):
         self.activation_dtype = ctx.dtype
         self.backbone = MambaBackbone(hf_config, ctx, self.dims)
         self.lm_head = LMHead(hf_config.vocab_size, self.dims.hidden_size, **ctx.matrix_dtypes,
-                              device=ctx.device)
+                              device=ctx.device, tp=ctx.tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", True))
         if self.tied:
             self.lm_head.tie_to(self.backbone.embeddings)

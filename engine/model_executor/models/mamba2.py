@@ -4,7 +4,8 @@
 No attention layer, so no KV cache: every layer keeps a per-request state instead
 (:mod:`engine.model_executor.state_cache`), and the KV cache manager holds one empty
 group whose blocks cost nothing. ``residual_in_fp32`` keeps the residual stream in
-float32 as transformers does. Tensor and pipeline parallelism are refused.
+float32 as transformers does. Tensor parallelism splits each mixer's heads (and groups)
+and the vocabulary over the ranks; pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Mamba2Backbone(nn.Module):
         super().__init__()
         self.embeddings = VocabEmbedding(hf_config.vocab_size, dims.hidden_size,
                                          **ctx.matrix_dtypes, device=ctx.device,
-                                         fused_ops=ctx.fused_ops)
+                                         fused_ops=ctx.fused_ops, tp=ctx.tp)
         residual_in_fp32 = bool(getattr(hf_config, "residual_in_fp32", True))
         self.layers = nn.ModuleList(Mamba2Block(dims, ctx, i, residual_in_fp32)
                                     for i in range(hf_config.num_hidden_layers))
@@ -93,8 +94,6 @@ class Mamba2ForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
-        if ctx.tp is not None:
-            raise ValueError("Mamba2ForCausalLM does not support tensor parallelism yet")
         if ctx.linear_method("lm_head") is not None:
             raise ValueError("checkpoints with a quantized lm_head are not supported")
         self.config = hf_config
@@ -103,7 +102,7 @@ class Mamba2ForCausalLM(nn.Module):
         self.activation_dtype = ctx.dtype
         self.backbone = Mamba2Backbone(hf_config, ctx, self.dims)
         self.lm_head = LMHead(hf_config.vocab_size, self.dims.hidden_size, **ctx.matrix_dtypes,
-                              device=ctx.device)
+                              device=ctx.device, tp=ctx.tp)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tied:
             self.lm_head.tie_to(self.backbone.embeddings)

@@ -4,8 +4,8 @@ what.
 
 KV cache layers are the :class:`LlamaAttention` modules (each built with its
 ``cache_index`` among them), state layers the :class:`Mamba2Mixer` modules (ordered by
-``state_index``). Pipeline and tensor parallelism are refused (the Mamba-2 layers
-refuse TP themselves).
+``state_index``). Pipeline parallelism is refused; tensor parallelism splits both kinds
+of layer (each reports its rank's share of the cache).
 """
 
 from __future__ import annotations

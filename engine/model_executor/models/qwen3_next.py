@@ -14,7 +14,9 @@ the layers ``decoder_sparse_step`` / ``mlp_only_layers`` select, a dense MLP els
 The layer (input norm -> mixer -> + residual -> post-attention norm -> feed-forward)
 and the model class are Bamba's (:mod:`engine.model_executor.models.bamba`): KV cache for
 the full-attention layers only. Multi-token-prediction weights (``mtp.*``) are skipped at
-load, as vLLM does without MTP speculation. Tensor and pipeline parallelism are refused.
+load, as vLLM does without MTP speculation. Tensor parallelism splits the attention
+heads (each query head with its gate) and the DeltaNet key heads (each with its value
+heads); pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ class Qwen3NextAttention(LlamaAttention):
                  layer_idx: int, rotary_emb: Any, cache_index: int) -> None:
         super().__init__(hf_config, ctx, opts, layer_idx, rotary_emb, cache_index=cache_index)
         # The same fused q/k/v layer with twice the query rows (query and gate per head);
-        # ``self.num_heads`` (the attention op's) stays the query head count. TP is refused.
+        # ``self.num_heads`` (the attention op's) stays the rank's query head count; a
+        # rank's query rows are its heads' ``[q_h | gate_h]``, as the checkpoint lays
+        # them out per head.
         prefix = f"model.layers.{layer_idx}.self_attn"
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         self.qkv_proj = QKVLinear(
-            hf_config.hidden_size, self.head_size, 2 * self.num_heads, self.num_kv_heads,
-            bias=opts.qkv_bias, **ctx.matrix_dtypes, device=ctx.device,
+            hf_config.hidden_size, self.head_size, 2 * num_heads, num_kv_heads,
+            bias=opts.qkv_bias, **ctx.matrix_dtypes, device=ctx.device, tp=ctx.tp,
             quant_method=ctx.linear_method(*(f"{prefix}.{p}_proj" for p in "qkv")))
 
     @staticmethod
