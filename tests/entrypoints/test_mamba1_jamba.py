@@ -9,9 +9,7 @@ equal the config's formula, d_inner * (d_conv - 1) + d_inner * d_state per Mamba
 
 from __future__ import annotations
 
-import pytest
 
-from tests.helpers.hf_reference import cpu_llm
 from tests.helpers.state_models import reference_for, run_chunked
 
 
@@ -43,7 +41,3 @@ def test_jamba_matches_transformers_with_chunked_prefill(model_dir_factory, monk
     assert moe == ["SparseMoeBlock", "LlamaMLP", "LlamaMLP", "SparseMoeBlock"]
 
 
-@pytest.mark.parametrize("variant", ["mamba1", "jamba"])
-def test_tensor_parallel_is_refused(model_dir_factory, variant):
-    with pytest.raises(Exception, match="ForCausalLM does not support tensor parallelism"):
-        cpu_llm(model_dir_factory(variant), tensor_parallel_size=2)

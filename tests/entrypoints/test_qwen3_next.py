@@ -75,8 +75,3 @@ def test_unknown_layer_types_are_refused():
         layer_kinds(SimpleNamespace(layer_types=kinds[:3], num_hidden_layers=4))
 
 
-def test_tensor_parallel_is_refused(model_dir_factory):
-    from tests.helpers.hf_reference import cpu_llm
-
-    with pytest.raises(Exception, match="ForCausalLM does not support tensor parallelism"):
-        cpu_llm(model_dir_factory("qwen3_next"), tensor_parallel_size=2)

@@ -16,7 +16,8 @@ quantized experts, and tensor parallelism in MoE blocks.
 
 Checkpoint names: ``backbone.embeddings`` / ``backbone.layers.{i}.mixer`` /
 ``backbone.norm_f`` become Llama's ``model.embed_tokens`` / ``model.layers.{i}.mixer`` /
-``model.norm``. Tensor and pipeline parallelism are refused.
+``model.norm``. Tensor parallelism runs the Mamba-2 and attention blocks (MoE blocks
+refuse it, above); pipeline parallelism is refused.
 """
 
 from __future__ import annotations
