@@ -13,6 +13,7 @@ from engine.core.interfaces.attention import (
 from engine.core.interfaces.communicator import Communicator
 from engine.core.interfaces.fused_ops import FusedOps
 from engine.core.interfaces.gemm import DenseGemmKernel, DenseLayerSpec
+from engine.core.interfaces.lora import LoRAKernel
 from engine.core.interfaces.graphs import ForwardGraph, ForwardGraphCapturer, GraphCaptureError
 from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
 from engine.core.interfaces.platform import DeviceCapability, Platform, ProbeResult
@@ -44,6 +45,7 @@ __all__ = [
     "FusedMoEKernel",
     "FusedOps",
     "GraphCaptureError",
+    "LoRAKernel",
     "MoELayerSpec",
     "Platform",
     "ProbeResult",

@@ -32,6 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.core.interfaces import FusedOps, GraphCaptureError
@@ -247,6 +248,15 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _i64, _i32,  # out, its row stride, M, activation dtype
         ])
         self._qgemm_path = _bind(lib.qgemm_path, [_ptr])
+        self._lora_shrink = _bind_op(lib.lora_shrink, [
+            _ptr, _i64, _ptr, _ptr,  # x, x row stride, A [S, K, in], slots (int32)
+            _ptr, _i64, _i64, _i64, _i64, _i64, _i32,  # out, its row stride, T, K, in, S, dt
+        ])
+        self._lora_expand = _bind_op(lib.lora_expand, [
+            _ptr, _i64, _ptr, _ptr,  # s (float32), its row stride, B [S, R, N], slots (int32)
+            _ptr, _i64, _ptr, _i64,  # shard bounds (int64), shards, y, its row stride
+            _i64, _i64, _i64, _i64, _i32,  # T, N, R, S, dtype
+        ])
         self._quantize_activations = _bind(lib.quantize_activations, [
             _ptr, _i64, _i64, _i64, _i32,  # x, row stride, M, K, dtype
             _i32, _i32, _i32, _i64, _f32, _ptr,  # scheme, strategy, dynamic, group, scale, out
@@ -592,6 +602,46 @@ class CPUKernels(FusedOps):
                "quantize_activations")
         return out
 
+    # -- batched multi-LoRA (csrc/lora.c; engine/core/interfaces/lora.py) ---------------
+    def lora_shrink(self, x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """``out[t] = lora_a[token_slots[t]] @ x[t]`` (float32 ``out``, 0 for slot -1);
+        the slots are read by the C code at run time (a replayed graph follows them)."""
+        t, k = out.shape
+        s_count, _, n_in = lora_a.shape
+        _check_lora(x, lora_a, token_slots, t)
+        if (out.dtype != torch.float32 or out.stride(1) != 1 or x.shape != (t, n_in)
+                or lora_a.shape[1] != k):
+            raise ValueError(f"lora_shrink: x {tuple(x.shape)}, A {tuple(lora_a.shape)}, out "
+                             f"{out.dtype} {tuple(out.shape)} do not fit")
+        if t:
+            _check(self._lora_shrink(x.data_ptr(), _row_stride(x), lora_a.data_ptr(),
+                                     token_slots.data_ptr(), out.data_ptr(), _row_stride(out),
+                                     t, k, n_in, s_count, DTYPE_CODES[x.dtype]),
+                   "lora_shrink (a slot outside the adapters?)")
+
+    def lora_expand(self, s: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                    bounds: np.ndarray, y: torch.Tensor) -> None:
+        """``y[t, lo_j:hi_j] += s[t, j*R:(j+1)*R] @ lora_b[slot, :, lo_j:hi_j]`` (``lora_b``
+        R-major, ``[S, R, N]``); ``bounds``: int64 numpy ``[num_shards + 1]`` that must
+        outlive any graph recording the call."""
+        t, n = y.shape
+        s_count, rank, _ = lora_b.shape
+        _check_lora(y, lora_b, token_slots, t)
+        shards = len(bounds) - 1
+        if (s.dtype != torch.float32 or s.stride(1) != 1 or s.shape != (t, shards * rank)
+                or lora_b.shape[2] != n or bounds.dtype != np.int64
+                or not bounds.flags.c_contiguous):
+            raise ValueError(f"lora_expand: s {s.dtype} {tuple(s.shape)}, B "
+                             f"{tuple(lora_b.shape)}, y {tuple(y.shape)}, {shards} shards "
+                             "do not fit")
+        if t:
+            _check(self._lora_expand(s.data_ptr(), _row_stride(s), lora_b.data_ptr(),
+                                     token_slots.data_ptr(), bounds.ctypes.data, shards,
+                                     y.data_ptr(), _row_stride(y), t, n, rank, s_count,
+                                     DTYPE_CODES[y.dtype]),
+                   "lora_expand (a slot outside the adapters, or bad shard bounds?)")
+
     def decode_key_splits(
         self, seq_lens: torch.Tensor, num_kv_heads: int, window: int | None = None
     ) -> int:
@@ -701,6 +751,24 @@ def _matrix_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     return rows, rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
+
+
+def _row_stride(m: torch.Tensor) -> int:
+    """A 2-D tensor's row stride for C (one row: its length, whatever torch says)."""
+    return m.stride(0) if m.shape[0] > 1 else m.shape[1]
+
+
+def _check_lora(act: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, t: int) -> None:
+    """What the LoRA kernels cannot check: dtypes, layouts (values: the C code)."""
+    if act.dtype not in DTYPE_CODES or weights.dtype != act.dtype:
+        raise ValueError(f"LoRA kernels take float activations and adapters of the same "
+                         f"dtype, not {act.dtype} / {weights.dtype}")
+    if act.dim() != 2 or act.stride(1) != 1 or weights.dim() != 3 or not weights.is_contiguous():
+        raise ValueError("LoRA kernels need rows with a unit last stride and contiguous "
+                         "[S, rows, cols] adapters")
+    if slots.dtype != torch.int32 or slots.shape != (t,) or not slots.is_contiguous():
+        raise ValueError(f"token_slots must be a contiguous int32 [{t}], not {slots.dtype} "
+                         f"{tuple(slots.shape)}")
 
 
 def _bias_pointer(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> int | None:

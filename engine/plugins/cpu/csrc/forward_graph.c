@@ -29,13 +29,15 @@ enum {
     GK_GEMM_PLAIN,
     GK_QGEMM,
     GK_RESIDUAL_ADD,
+    GK_LORA_SHRINK,
+    GK_LORA_EXPAND,
     GK_COUNT
 };
 
 static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
     "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain", "qgemm",
-    "residual_add",
+    "residual_add", "lora_shrink", "lora_expand",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -103,6 +105,14 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
             break;
         case GK_RESIDUAL_ADD:
             status = residual_add(P(0), a[1], P(2), a[3], a[4], a[5], I(6));
+            break;
+        case GK_LORA_SHRINK:
+            status = lora_shrink(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7], a[8], a[9],
+                                 I(10));
+            break;
+        case GK_LORA_EXPAND:
+            status = lora_expand(P(0), a[1], P(2), P(3), P(4), a[5], P(6), a[7], a[8], a[9],
+                                 a[10], a[11], I(12));
             break;
         default:
             status = -2;

@@ -68,4 +68,15 @@ int qgemm_path(const void *packed);
 int quantize_activations(const void *x, int64_t ldx, int64_t m, int64_t k, int adt, int act,
                          int strategy, int dynamic, int64_t group, float scale, float *out);
 
+/* Batched multi-LoRA (lora.c; engine/core/interfaces/lora.py): slots int32 [t_count] in
+ * [-1, num_slots), read at run time. shrink: out[t] = a[slot] [k, in] . x[t] (float32,
+ * written; 0 for slot -1); expand: y[t, bounds[j]:bounds[j+1]] += s[t, j*rank:(j+1)*rank]
+ * . b[slot] [rank, n] (rank-major), shard j's columns (y rounded once; slot -1 untouched). */
+int lora_shrink(const void *x, int64_t ldx, const void *a, const int32_t *slots, float *out,
+                int64_t ldo, int64_t t_count, int64_t k, int64_t in, int64_t num_slots,
+                int dtype);
+int lora_expand(const float *s, int64_t lds, const void *b, const int32_t *slots,
+                const int64_t *bounds, int64_t num_shards, void *y, int64_t ldy,
+                int64_t t_count, int64_t n, int64_t rank, int64_t num_slots, int dtype);
+
 #endif
