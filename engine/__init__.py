@@ -27,6 +27,7 @@ _LAZY = {
     "ClassificationRequestOutput": "engine.core.outputs",
     "ScoringRequestOutput": "engine.core.outputs",
     "BeamSearchParams": "engine.core.beam_search",
+    "LoRARequest": "engine.lora.request",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from engine.core.pooling_params import PoolingParams
     from engine.core.sampling_params import RequestOutputKind, SamplingParams
     from engine.entrypoints.llm import LLM
+    from engine.lora.request import LoRARequest
 
 
 def __getattr__(name: str) -> Any:

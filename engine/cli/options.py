@@ -9,6 +9,29 @@ from typing import Any
 import click
 
 
+def _max_model_len_option(ctx: click.Context | None, param: click.Parameter | None,
+                          value: str | None) -> int | str | None:
+    """``--max-model-len N|auto|-1``: an int, or "auto"."""
+    from engine.core.engine_args import parse_max_model_len
+
+    try:
+        length, auto = parse_max_model_len(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return "auto" if auto else length
+
+
+def _kv_cache_memory_option(ctx: click.Context | None, param: click.Parameter | None,
+                            value: str | None) -> int | None:
+    """``--kv-cache-memory BYTES`` (with an optional unit: 4GiB, 512M)."""
+    from engine.core.engine_args import parse_memory_bytes
+
+    try:
+        return parse_memory_bytes(value, "--kv-cache-memory")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 def parse_speculative_config(
     ctx: click.Context | None, param: click.Parameter | None, value: str | None
 ) -> dict[str, Any] | None:
@@ -61,7 +84,9 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Platform name (see `engine plugins`) or auto."),
     click.option("--dtype", default="auto", show_default=True,
                  type=click.Choice(["auto", "float32", "bfloat16", "float16", "float", "half"])),
-    click.option("--max-model-len", type=int, default=None),
+    click.option("--max-model-len", default=None, callback=_max_model_len_option,
+                 help="Tokens per request (prompt and output): N, or auto / -1 for the "
+                      "largest length the KV cache fits (default: the model's limit)."),
     click.option("--max-num-seqs", type=int, default=256, show_default=True),
     click.option("--max-num-batched-tokens", type=int, default=None),
     click.option("--block-size", type=int, default=16, show_default=True),
@@ -79,7 +104,16 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="What the KV cache stores: auto (the model dtype) or fp8 (= fp8_e4m3) / "
                       "fp8_e5m2, one byte per value with the checkpoint's per-layer "
                       "k_scale / v_scale (else 1.0): twice the blocks in the same memory."),
-    click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True),
+                 default=None,
+                 help="Share of the device's memory for weights, activations and KV cache "
+                      "(default 0.9 on GPUs; on the CPU, when given, the KV cache takes "
+                      "this share of RAM less weights and profiled activations)."),
+    click.option("--kv-cache-memory", "kv_cache_memory_bytes", default=None,
+                 callback=_kv_cache_memory_option,
+                 help="KV cache size per rank in bytes, on any platform (e.g. 4GiB, "
+                      "512MiB, 1000000000); wins over --gpu-memory-utilization and "
+                      "--kv-cache-space."),
     click.option("--attention-backend", default=None,
                  help="Attention backend name (env ENGINE_ATTENTION_BACKEND)."),
     click.option("--num-threads", type=int, default=None, help="Host threads (CPU)."),
@@ -109,6 +143,16 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                       "'{\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": "
                       "\"kv_both\", \"kv_connector_extra_config\": "
                       "{\"shared_storage_path\": DIR}}'."),
+    click.option("--kv-offloading-size", "kv_offloading_size", type=float, default=None,
+                 metavar="GiB",
+                 help="A second KV tier of this many GiB of host memory (vLLM's "
+                      "OffloadingConnector): prefix blocks evicted from the KV cache are "
+                      "kept there and loaded back on a later hit instead of recomputed; "
+                      "with --kv-transfer-config both run (a MultiConnector)."),
+    click.option("--kv-offloading-backend", "kv_offloading_backend",
+                 type=click.Choice(["native"]), default="native",
+                 help="The KV offloading tier's implementation (vLLM's flag; 'native': "
+                      "the engine's OffloadingConnector)."),
     click.option("--enforce-eager", is_flag=True, default=False,
                  help="Run every step eagerly (no forward graphs for decode steps)."),
     click.option("--enable-sleep-mode", is_flag=True, default=False,
@@ -154,6 +198,19 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Keys set on the model's HF config, as a JSON object (vLLM's), e.g. "
                       "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                       "\"classifier_from_token\": [\"no\", \"yes\"]}' for Qwen3-Reranker."),
+    click.option("--async-scheduling", "async_scheduling", is_flag=True, default=False,
+                 help="Schedule the next step while the current one runs (the host's "
+                      "scheduling hides behind the model's compute)."),
+    click.option("--enable-lora", "enable_lora", is_flag=True, default=False,
+                 help="Serve PEFT LoRA adapters over the base model (per request: the "
+                      "offline API's lora_request, the server's --lora-modules names)."),
+    click.option("--max-loras", "max_loras", type=click.IntRange(min=1), default=1,
+                 show_default=True, help="Distinct adapters one step may run."),
+    click.option("--max-lora-rank", "max_lora_rank", type=click.IntRange(1, 512), default=16,
+                 show_default=True, help="The largest adapter rank accepted."),
+    click.option("--max-cpu-loras", "max_cpu_loras", type=click.IntRange(min=1),
+                 default=None, help="Adapters kept in host memory (LRU; default: "
+                                    "--max-loras)."),
     click.option("--model-impl", "model_impl",
                  type=click.Choice(["auto", "engine", "transformers"]), default="auto",
                  show_default=True,
@@ -167,13 +224,14 @@ ENGINE_OPTION_NAMES = (
     "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
     "disable_hybrid_kv_cache_manager",
-    "cpu_kvcache_space_gib", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
+    "cpu_kvcache_space_gib", "kv_cache_memory_bytes", "kv_cache_dtype", "gpu_memory_utilization", "attention_backend", "num_threads",
     "seed", "scheduling_policy", "generation_config", "enforce_eager", "enable_sleep_mode",
     "enable_weight_updates",
     "batch_invariant", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
-    "kv_transfer_config", "runner", "convert", "hf_overrides", "model_impl",
+    "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "runner", "convert", "hf_overrides", "model_impl",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "async_scheduling",
 )
 
 

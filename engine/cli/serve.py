@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Any
 
 import click
 
@@ -18,6 +20,50 @@ def _check_tool_call_parser(value: str) -> str:
         raise click.BadParameter(f"{value!r} is not a registered tool-call parser; "
                                  f"registered: {', '.join(names)}")
     return value
+
+
+class _LoRAModulesOption(click.Option):
+    """``--lora-modules`` as vLLM's ``nargs='+'``: one flag takes every following
+    argument up to the next option (``--lora-modules a=/p b=/q``); the flag may also be
+    repeated. Values are collected in order (``multiple``)."""
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            option = parser._long_opt.get(name) or parser._short_opt.get(name)
+            if option is None:
+                continue
+            process = option.process
+
+            def greedy(value: Any, state: Any, process: Any = process) -> None:
+                process(value, state)
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    process(state.rargs.pop(0), state)
+
+            option.process = greedy
+
+
+def _lora_settings(lora_modules: tuple[str, ...], allow_runtime_lora_updating: bool,
+                   engine_kwargs: dict[str, Any]) -> tuple[list[Any], bool]:
+    """The parsed ``--lora-modules`` and whether runtime updating is on (the flag or
+    vLLM's environment variable); usage errors for what cannot work."""
+    from engine.entrypoints.openai.serving_lora import (
+        parse_lora_modules,
+        runtime_updating_from_env,
+    )
+
+    try:
+        modules = parse_lora_modules(lora_modules)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (give MODEL before --lora-modules: the option "
+                                 "takes every argument that follows it)",
+                                 param_hint="'--lora-modules'") from exc
+    enabled = bool(engine_kwargs.get("enable_lora"))
+    if modules and not enabled:
+        raise click.UsageError("--lora-modules needs --enable-lora")
+    if allow_runtime_lora_updating and not enabled:
+        raise click.UsageError("--allow-runtime-lora-updating needs --enable-lora")
+    return modules, allow_runtime_lora_updating or runtime_updating_from_env()
 
 
 @click.command("serve")
@@ -69,6 +115,16 @@ def _check_tool_call_parser(value: str) -> str:
               help="/v1/responses: how many stored responses (store: true, the default) are "
                    "kept in memory for previous_response_id and GET /v1/responses/{id}; the "
                    "least recently used is dropped first (0: none are kept).")
+@click.option("--lora-modules", "lora_modules", cls=_LoRAModulesOption, multiple=True,
+              metavar="NAME=PATH|JSON ...",
+              help="LoRA adapters served under their own model names (needs --enable-lora): "
+                   "name=path, or JSON '{\"name\": ..., \"path\": ..., "
+                   "\"base_model_name\": ...}'; several after one flag and/or the flag "
+                   "repeated, as vLLM's.")
+@click.option("--allow-runtime-lora-updating", is_flag=True,
+              help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on "
+                   "with VLLM_ALLOW_RUNTIME_LORA_UPDATING or "
+                   "ENGINE_ALLOW_RUNTIME_LORA_UPDATING set to 1 / true).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
@@ -80,6 +136,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               timeout_graceful_shutdown: int, restart_engine_core: int,
               keep_alive_on_engine_death: bool, max_num_waiting: int | None,
               request_timeout: float | None, max_stored_responses: int,
+              lora_modules: tuple[str, ...], allow_runtime_lora_updating: bool,
               log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
     """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
     OpenAI-compatible HTTP API."""
@@ -95,6 +152,8 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         raise click.UsageError(f"MODEL {model_arg!r} and --model {model_option!r} differ; "
                                "give one of them")
     engine_kwargs["model"] = model_arg or model_option
+    modules, runtime_lora = _lora_settings(lora_modules, allow_runtime_lora_updating,
+                                           engine_kwargs)
     try:
         args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs),
                                       served_model_name=served_model_name,
@@ -102,6 +161,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         engine = AsyncLLM.from_engine_args(args)
     except (ValueError, FileNotFoundError, EngineStartupError) as exc:
         raise click.ClickException(str(exc)) from exc
+    loras = _load_lora_modules(engine, modules, served_model_name)
     settings = ServerSettings(
         served_model_name=engine.model_name, api_key=api_key or None,
         max_request_body_bytes=max_request_body_bytes, max_tokens_limit=max_tokens_limit,
@@ -113,6 +173,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         exit_on_engine_death=not keep_alive_on_engine_death,
         max_num_waiting=max_num_waiting, request_timeout=request_timeout,
         max_stored_responses=max_stored_responses,
+        lora_modules=loras, allow_runtime_lora_updating=runtime_lora,
     )
     try:
         exit_code = run_server(engine, settings, log_level=log_level,
@@ -124,3 +185,27 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         logging.getLogger("engine.server").error("Exiting with code %d (the engine core died)",
                                                  exit_code)
         raise SystemExit(exit_code)
+
+
+def _load_lora_modules(engine: Any, modules: list[Any], served_model_name: str | None
+                       ) -> list[Any]:
+    """Give each ``--lora-modules`` adapter its id and load it into the engine before the
+    server listens; a bad adapter stops the startup with the engine's reason."""
+    from engine.entrypoints.openai.serving_lora import load_lora_modules, lora_requests_for
+
+    if not modules:
+        return []
+    base_name = served_model_name or engine.model_name
+    if any(module.name == base_name for module in modules):
+        engine.shutdown()
+        raise click.BadParameter(f"an adapter may not be named {base_name!r}: that is the "
+                                 "base model's served name", param_hint="'--lora-modules'")
+    requests = lora_requests_for(modules, base_model_name=base_name)
+    try:
+        asyncio.run(load_lora_modules(engine, requests))
+    except Exception as exc:
+        engine.shutdown()
+        if isinstance(exc, (ValueError, FileNotFoundError)):
+            raise click.ClickException(f"--lora-modules: {exc}") from exc
+        raise
+    return requests

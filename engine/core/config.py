@@ -19,6 +19,7 @@ from engine.core.pooling_config import PoolerConfig
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
 DEFAULT_CPU_KVCACHE_GIB = 4.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 CPU_KVCACHE_ENV = "ENGINE_CPU_KVCACHE_SPACE"  # GiB, like vLLM's VLLM_CPU_KVCACHE_SPACE
 
 DType = Literal["auto", "float32", "float16", "bfloat16", "float", "half"]
@@ -76,9 +77,18 @@ class CacheConfig(BaseModel):
     model_config = _STRICT
 
     block_size: int = Field(default=16, ge=1, le=1024)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    # CPU: KV cache size in GiB (gpu_memory_utilization means nothing there).
+    # The share of one device's memory the engine may use (weights, activations, KV
+    # cache); None: 0.9 on GPUs (``gpu_utilization``). On the CPU platform an explicit
+    # value sizes the KV cache from that share of the host's RAM.
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    # CPU: KV cache size in GiB (ENGINE_CPU_KVCACHE_SPACE; default 4 GiB).
     cpu_kvcache_space_gib: float | None = Field(default=None, gt=0.0)
+    # vLLM's --kv-cache-memory: the KV cache's bytes per rank, on any platform (wins
+    # over gpu_memory_utilization and the CPU's KV cache space).
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    # --max-model-len auto / -1: max_model_len is the model's limit until the workers
+    # measured the KV cache, then the largest length one request's KV fits in.
+    max_model_len_auto: bool = False
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: Literal["sha256"] = "sha256"
@@ -89,6 +99,16 @@ class CacheConfig(BaseModel):
     # One KV cache group even when layers attend differently (engine.core.kv_cache.groups):
     # sliding-window layers then keep every block (vLLM's flag).
     disable_hybrid_kv_cache_manager: bool = False
+
+    @property
+    def gpu_utilization(self) -> float:
+        """``gpu_memory_utilization``, 0.9 when not given."""
+        return DEFAULT_GPU_MEMORY_UTILIZATION if self.gpu_memory_utilization is None \
+            else self.gpu_memory_utilization
+
+    def cpu_kvcache_space_given(self) -> bool:
+        """True when the CPU KV cache size was set (config or ENGINE_CPU_KVCACHE_SPACE)."""
+        return self.cpu_kvcache_space_gib is not None or bool(os.environ.get(CPU_KVCACHE_ENV))
 
     def resolved_cpu_kvcache_gib(self) -> float:
         if self.cpu_kvcache_space_gib is not None:
@@ -115,6 +135,8 @@ class SchedulerConfig(BaseModel):
     enable_chunked_prefill: bool = True
     # A prefill may take at most this many tokens of one step (0: no limit beyond budget).
     long_prefill_token_threshold: int = Field(default=0, ge=0)
+    # vLLM's --async-scheduling: step N+1 is scheduled while step N runs (engine_core).
+    async_scheduling: bool = False
 
     @model_validator(mode="after")
     def _budget_fits_a_prompt(self) -> "SchedulerConfig":
@@ -324,6 +346,60 @@ class KVTransferConfig(BaseModel):
                                  for e in exc.errors())
             raise ValueError(f"invalid kv_transfer_config: {problems}") from None
 
+    @classmethod
+    def with_offloading(cls, base: KVTransferConfig | None, size_gib: float | None,
+                        backend: str = "native") -> KVTransferConfig | None:
+        """vLLM's ``--kv-offloading-size GiB``: the ``OffloadingConnector`` (a host-memory
+        KV tier), alone or, next to a configured connector, after it in a
+        ``MultiConnector`` (loads from the first that has the tokens, saves to all)."""
+        if size_gib is None:
+            return base
+        if not size_gib > 0:
+            raise ValueError(f"kv_offloading_size={size_gib}: must be > 0 GiB")
+        if backend != "native":
+            raise ValueError(f"kv_offloading_backend={backend!r}: only 'native' is built in")
+        offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"kv_offloading_size": float(size_gib)}}
+        if base is None:
+            return cls.model_validate(offload)
+        if base.kv_connector == "OffloadingConnector":
+            raise ValueError("kv_offloading_size and a kv_transfer_config naming the "
+                             "OffloadingConnector: give the tier's size once")
+        shared = {"kv_role": base.kv_role, "engine_id": base.engine_id, "kv_ip": base.kv_ip,
+                  "kv_port": base.kv_port}
+        if base.kv_connector == "MultiConnector":
+            children = list(base.kv_connector_extra_config.get("connectors") or [])
+        else:
+            children = [base.model_dump(include={"kv_connector", "kv_role",
+                                                 "kv_connector_extra_config"})]
+        extra = {**base.kv_connector_extra_config, "connectors": [*children, offload]}
+        return cls.model_validate({"kv_connector": "MultiConnector", **shared,
+                                   "kv_connector_extra_config": extra})
+
+
+class LoRAConfig(BaseModel):
+    """vLLM's LoRA options: how many adapters a step may mix, how big they may be."""
+
+    model_config = _STRICT
+
+    # Distinct adapters one step may run (the device slots each LoRA layer holds).
+    max_loras: int = Field(default=1, ge=1)
+    # The largest rank an adapter may have; every slot is this wide.
+    max_lora_rank: int = Field(default=16, ge=1, le=512)
+    # Adapters kept loaded in host memory (an LRU cache); None: max_loras.
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _cpu_cache_holds_the_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        return self
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
 
 class EngineConfig(BaseModel):
     """The resolved configuration the engine runs with."""
@@ -338,3 +414,4 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = None
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     kv_transfer: KVTransferConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA disabled

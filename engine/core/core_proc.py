@@ -66,7 +66,8 @@ class EngineCoreProc:
     CORE_UTILITIES = ("reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
                       "pause_scheduling", "abort_all_requests", "resume_scheduling",
                       "update_weights", "init_weight_update_group",
-                      "update_weights_from_distributed", "update_weights_from_tensors")
+                      "update_weights_from_distributed", "update_weights_from_tensors",
+                      "add_lora", "remove_lora", "list_loras")
 
     def __init__(
         self,
@@ -188,6 +189,9 @@ class EngineCoreProc:
             totals.moe_expert_parallel_size = (parallel.tensor_parallel_size
                                                if parallel.enable_expert_parallel else 1)
         totals.structured_output = self.core.structured_output_manager.stats.snapshot()
+        totals.max_loras = interval.max_loras
+        totals.running_lora_adapters = interval.running_lora_adapters
+        totals.waiting_lora_adapters = interval.waiting_lora_adapters
         return totals
 
     def _request_shutdown(self) -> bool:

@@ -93,6 +93,10 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     # The core's grammar compiles (engine.structured_output.stats.CompileStats.snapshot):
     # cumulative time histogram and cache hits / misses.
     structured_output: dict[str, Any] = msgspec.field(default_factory=dict)
+    # LoRA (max_loras 0: off): requests per adapter name now, running and waiting.
+    max_loras: int = 0
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

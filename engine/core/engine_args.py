@@ -21,6 +21,7 @@ from engine.core.config import (
     DeviceConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -53,6 +54,51 @@ def resolve_model_source(model: str) -> str:
         ) from exc
 
 
+_MEMORY_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                 "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_max_model_len(value: Any) -> tuple[int | None, bool]:
+    """(the requested length or None, whether it is "auto"): ``"auto"`` and -1 (as int or
+    string) ask for the largest length the KV cache fits."""
+    if value is None:
+        return None, False
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "-1"):
+            return None, True
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"max_model_len must be a number of tokens, 'auto' or -1, not "
+                             f"{value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_model_len must be a number of tokens, 'auto' or -1, not "
+                        f"{value!r}")
+    if value == -1:
+        return None, True
+    return value, False
+
+
+def parse_memory_bytes(value: Any, name: str) -> int | None:
+    """Bytes from an int or a string with an optional unit (``4GiB``, ``512M``, ``1e9``)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT][iI]?)?[bB]?\s*", value)
+        if match:
+            try:
+                number = float(match.group(1))
+            except ValueError:
+                number = None
+            if number is not None:
+                return int(number * _MEMORY_UNITS[(match.group(2) or "").lower()])
+    raise ValueError(f"{name} must be a number of bytes (e.g. 4294967296, 4GiB, 512M), not "
+                     f"{value!r}")
+
+
 @dataclass
 class EngineArgs:
     """Every engine option, with vLLM's names and V1 defaults."""
@@ -61,14 +107,18 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = None
+    # None: the model's limit; "auto" / -1: the largest length the KV cache fits.
+    max_model_len: int | str | None = None
     seed: int = 0
     device: str = "auto"
     attention_backend: str | None = None
     num_threads: int | None = None
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    # None: 0.9 on GPUs; on the CPU an explicit value sizes the KV from that share of RAM.
+    gpu_memory_utilization: float | None = None
     cpu_kvcache_space_gib: float | None = None
+    # vLLM's --kv-cache-memory: the KV cache's bytes per rank on any platform.
+    kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # vLLM's: one KV cache group even for hybrid (sliding-window / chunked) models.
@@ -78,6 +128,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # None: 8192, raised to max_model_len without chunking
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # vLLM's: schedule step N+1 while step N runs (the scheduler counts N's tokens as
+    # placeholders); refused with speculative decoding and pipeline parallelism.
+    async_scheduling: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -102,6 +155,10 @@ class EngineArgs:
     # vLLM's --kv-transfer-config: a dict or its JSON text ({"kv_connector": ...,
     # "kv_role": ..., "kv_connector_extra_config": {...}}).
     kv_transfer_config: dict[str, Any] | str | None = None
+    # vLLM's --kv-offloading-size: GiB of host memory for a second KV tier (the
+    # OffloadingConnector; next to a kv_transfer_config, both through a MultiConnector).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     # vLLM's --runner (auto | generate | pooling) and --convert (auto | embed | classify |
     # reward): serve an embedder / classifier (engine.core.pooling_config).
     runner: str = "auto"
@@ -111,6 +168,11 @@ class EngineArgs:
     # vLLM's --model-impl: "auto" (the engine's class when the architecture is
     # registered, else the Transformers backend), "engine" or "transformers".
     model_impl: str = "auto"
+    # vLLM's LoRA options (engine.lora): serve PEFT adapters over the base model.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -145,7 +207,7 @@ class EngineArgs:
 
         resolve_quantization(files.hf_config, self.quantization)  # a bad one fails here
         runner, pooler = resolve_runner(self.runner, self.convert, files, hf_overrides)
-        requested_len = self.max_model_len
+        requested_len, auto_len = parse_max_model_len(self.max_model_len)
         if requested_len is None and pooler is not None and pooler.max_seq_length:
             # sentence-transformers' max_seq_length, within what the model allows
             requested_len = min(pooler.max_seq_length,
@@ -168,7 +230,9 @@ class EngineArgs:
         structured_outputs = StructuredOutputsConfig.from_value(self.structured_outputs_config)
         structured_outputs = _resolve_reasoning(structured_outputs, self.reasoning_parser,
                                                 self.tokenizer or path)
-        kv_transfer = KVTransferConfig.from_value(self.kv_transfer_config)
+        kv_transfer = KVTransferConfig.with_offloading(
+            KVTransferConfig.from_value(self.kv_transfer_config), self.kv_offloading_size,
+            self.kv_offloading_backend)
         if kv_transfer is not None:
             from engine.kv_transfer.factory import connector_classes
 
@@ -206,6 +270,9 @@ class EngineArgs:
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_kvcache_space_gib=self.cpu_kvcache_space_gib,
+                kv_cache_memory_bytes=parse_memory_bytes(self.kv_cache_memory_bytes,
+                                                         "kv_cache_memory_bytes"),
+                max_model_len_auto=auto_len,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
@@ -218,6 +285,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                async_scheduling=self._async_scheduling(speculative),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -233,13 +301,39 @@ class EngineArgs:
             speculative=speculative,
             structured_outputs=structured_outputs,
             kv_transfer=kv_transfer,
+            lora=self._lora_config(pooler is not None),
         )
+
+    def _async_scheduling(self, speculative: Any) -> bool:
+        """Whether steps overlap; what cannot overlap is refused by name."""
+        if not self.async_scheduling:
+            return False
+        if speculative is not None:
+            raise ValueError("async_scheduling with speculative decoding is not supported: "
+                             "step N+1's drafts are proposed from step N's output")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling with pipeline parallelism is not supported: "
+                             "the stages already overlap their micro-batches")
+        return True
+
+    def _lora_config(self, pooling: bool) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if pooling:
+            raise ValueError("enable_lora: LoRA adapters are served for generating models "
+                             "only (this model runs as a pooling model)")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA with pipeline parallelism is not supported "
+                             "(tensor parallelism is)")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     def _check_pooling_options(self) -> None:
         """What a pooling engine cannot do, refused before a model loads."""
         refused = {
             "speculative_config": self.speculative_config is not None,
             "kv_transfer_config": self.kv_transfer_config is not None,
+            "kv_offloading_size": self.kv_offloading_size is not None,
             "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
         }
         bad = [name for name, set_ in refused.items() if set_]

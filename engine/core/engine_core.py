@@ -13,11 +13,14 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
+
 from engine.core.config import EngineConfig
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.core.plugins import resolve_platform
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.lora.request import LoRARequest
 
 # While only grammar compiles are pending, a step waits this long for one to finish.
 _GRAMMAR_WAIT_S = 0.01
@@ -61,9 +64,12 @@ class EngineCore:
             kv_connector=self.kv_connector,
             kv_cache_groups=self.executor.kv_cache_layout.groups,
             num_state_slots=self.executor.kv_cache_layout.num_state_slots,
+            max_loras=0 if config.lora is None else config.lora.max_loras,
         )
         # Pipeline parallelism: up to one step in flight per stage (vLLM's batch queue).
-        self.batch_queue_size = self.executor.max_concurrent_batches
+        # Async scheduling: step N+1 is scheduled (and sent) while step N runs.
+        self.batch_queue_size = (2 if config.scheduler.async_scheduling
+                                 else self.executor.max_concurrent_batches)
         self.batch_queue: deque = deque()
         self.max_batches_in_flight = 0  # the deepest the queue got (stage utilisation)
         # Sleep mode: what sleeps ("weights", "kv_cache"), and at which level.
@@ -96,6 +102,7 @@ class EngineCore:
             max_tokens=request.max_tokens,
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
+            lora_request=request.lora_request,
         )
         structured = request.sampling_params.structured_outputs
         if structured is not None:
@@ -140,7 +147,9 @@ class EngineCore:
     def _step_with_batch_queue(self, failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """Pipeline parallelism: schedule another micro-batch while there is room in the
         queue (requests already in flight are passed over), and process the oldest step's
-        output only when the queue is full or nothing else can be scheduled."""
+        output only when the queue is full or nothing else can be scheduled. Async
+        scheduling is the same loop with two steps: step N+1 is scheduled and sent while
+        step N runs (its requests included, one token ahead), then N's output is taken."""
         queue = self.batch_queue
         submitted = False
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
@@ -329,6 +338,24 @@ class EngineCore:
         if not self.sleeping_tags:
             self.sleep_level = 0
         gc.collect()
+
+    # -- LoRA adapters (engine.lora) ---------------------------------------------------------
+    def add_lora(self, request: Any) -> bool:
+        """Check the adapter on every rank and keep it in their host caches; a ValueError
+        names what does not fit (the adapter then stays unknown)."""
+        if self.config.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        lora = request if isinstance(request, LoRARequest) else msgspec.convert(request,
+                                                                                LoRARequest)
+        self.executor.checked_rpc("add_lora", lora)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(self.executor.collective_rpc("remove_lora", int(lora_id)))
+
+    def list_loras(self) -> list[int]:
+        return self.executor.collective_rpc("list_loras")[0]
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

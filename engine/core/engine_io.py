@@ -11,6 +11,7 @@ import msgspec
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler.output import LogprobsLists, PooledData
+from engine.lora.request import LoRARequest
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # slot: one step, no token sampled) and the prompt's token types (None: zeros).
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # the adapter the request runs under
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

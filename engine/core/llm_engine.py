@@ -13,12 +13,14 @@ from typing import Any, Protocol
 from engine.core.config import EngineConfig
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
-from engine.core.outputs import RequestOutput
 from engine.core.output_processor import OutputProcessor
+from engine.core.outputs import RequestOutput
 from engine.core.processor import Processor
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler.stats import SpecDecodingStats
 from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
+from engine.lora.registry import AddedLoRAs
+from engine.lora.request import LoRARequest
 
 
 class EngineCoreClient(Protocol):
@@ -45,6 +47,8 @@ class EngineCoreClient(Protocol):
     def resume_scheduling(self) -> None: ...
 
     def update_weights(self, method: str, *args: Any) -> None: ...
+
+    def call_utility(self, method: str, *args: Any) -> Any: ...
 
     def shutdown(self) -> None: ...
 
@@ -92,6 +96,10 @@ class InprocClient:
         ``init_weight_update_group``) by name."""
         getattr(self.core, method)(*args)
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """One of the core's utilities (``EngineCoreProc.CORE_UTILITIES``) by name."""
+        return getattr(self.core, method)(*args)
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -110,6 +118,7 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
         extra_eos_token_ids=extra_eos,
         vocab_size=files.hf_config.vocab_size,
     )
+    processor.lora_enabled = config.lora is not None
     if config.model.runner == "pooling":
         from engine.core.pooling_processor import PoolingModelInfo, PoolingProcessor
 
@@ -117,6 +126,19 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
         processor.pooling = PoolingProcessor(tokenizer, config.scheduler.max_model_len,
                                              files.hf_config.vocab_size, info)
     return processor, tokenizer
+
+
+def adopt_max_model_len(config: EngineConfig, processor: Processor, client: Any) -> int:
+    """The max_model_len the engine core runs with (``--max-model-len auto`` is resolved
+    after the workers sized the KV cache: an in-process core changed ``config``, a core
+    process reports it when ready), set on the front end's config and processors."""
+    ready = getattr(getattr(client, "proc", None), "ready", None)
+    length = ready.max_model_len if ready is not None else config.scheduler.max_model_len
+    config.scheduler.max_model_len = config.model.max_model_len = length
+    processor.max_model_len = length
+    if getattr(processor, "pooling", None) is not None:
+        processor.pooling.max_model_len = length
+    return length
 
 
 class LLMEngine:
@@ -127,11 +149,13 @@ class LLMEngine:
         self.processor, self.tokenizer = build_processor(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = client if client is not None else InprocClient(config)
+        adopt_max_model_len(config, self.processor, self.client)
         self._ids = itertools.count()
         self._spec_seen = SpecDecodingStats()  # a process-backed core's totals, last read
+        self._loras = AddedLoRAs()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     def next_request_id(self) -> str:
@@ -145,7 +169,11 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        if lora_request is not None and self.processor.lora_enabled \
+                and self._loras.needs_adding(lora_request):
+            self.add_lora(lora_request)
         processed = self.processor.process(
             request_id,
             prompt,
@@ -153,6 +181,7 @@ class LLMEngine:
             arrival_time=arrival_time or time.monotonic(),
             priority=priority,
             add_special_tokens=add_special_tokens,
+            lora_request=lora_request,
         )
         self.output_processor.add_request(processed)
         for child in processed.child_requests:
@@ -171,6 +200,22 @@ class LLMEngine:
         self.output_processor.add_request(processed)
         for child in processed.child_requests:
             self.client.add_request(child)
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check the adapter on every rank and keep it loaded (ValueError: it does not
+        fit the model, or LoRA is off)."""
+        self._loras.needs_adding(lora_request)
+        self.client.call_utility("add_lora", lora_request)
+        self._loras.added(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._loras.removed(lora_id)
+        return bool(self.client.call_utility("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        return set(self.client.call_utility("list_loras"))
 
     def abort_request(self, request_ids: list[str]) -> None:
         child_ids = self.output_processor.abort_requests(request_ids)

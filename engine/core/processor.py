@@ -24,6 +24,7 @@ from engine.core.chat_template import render_chat_template
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
+from engine.lora.request import LoRARequest
 from engine.structured_output import check_compilable
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -74,6 +75,7 @@ class Processor:
         # The pooling side (engine.core.pooling_processor.PoolingProcessor) of an engine
         # run with runner "pooling"; None: the engine generates.
         self.pooling: Any = None
+        self.lora_enabled = False  # requests may name a LoRA adapter (enable_lora)
 
     # -- public ---------------------------------------------------------------------------
     def process(
@@ -85,6 +87,7 @@ class Processor:
         priority: int = 0,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate one request; fan ``n > 1`` out into child requests.
 
@@ -100,6 +103,13 @@ class Processor:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError("lora_request must be an engine.LoRARequest, got "
+                                 f"{type(lora_request).__name__}")
+            if not self.lora_enabled:
+                raise ValueError("a lora_request needs an engine started with "
+                                 "enable_lora=True (--enable-lora)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._parse_prompt(prompt, add_special_tokens)
@@ -119,6 +129,7 @@ class Processor:
                 priority=priority,
                 cache_salt=cache_salt,
                 max_tokens=resolved.max_tokens,
+                lora_request=lora_request,
             )
             for i in range(resolved.n)
         ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
+from engine.lora.request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -72,6 +73,7 @@ class Request:
     # Pooling requests: what to pool and the prompt's token types (see EngineCoreRequest).
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -79,6 +81,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens that steps in flight will sample (scheduled, not yet known).
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     # Prefix-cache hashes of the full blocks of all_token_ids, extended incrementally
@@ -102,6 +106,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,7 +29,7 @@ from engine.core.config import EngineConfig
 from engine.core.core_protocol import EngineCoreStats, describe_exception
 from engine.core.engine_args import EngineArgs
 from engine.core.errors import EngineDeadError, EngineSleepingError
-from engine.core.llm_engine import build_processor
+from engine.core.llm_engine import adopt_max_model_len, build_processor
 from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
 from engine.core.output_collector import RequestOutputCollector
 from engine.core.output_processor import OutputProcessor
@@ -37,6 +37,8 @@ from engine.core.outputs import PoolingRequestOutput, RequestOutput
 from engine.core.pooling_params import PoolingParams
 from engine.core.processor import PromptType
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
+from engine.lora.registry import AddedLoRAs
+from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class AsyncLLM:
         self._startup_timeout_s = startup_timeout_s
         # Blocks until the core has loaded the model (or raises EngineStartupError).
         self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        # --max-model-len auto: the length the core resolved once the KV cache was sized.
+        self.max_model_len = adopt_max_model_len(config, self.processor, self.client)
         self.num_core_restarts = 0
         self._handler: asyncio.Task | None = None
         self._handler_loop: asyncio.AbstractEventLoop | None = None
@@ -63,6 +67,7 @@ class AsyncLLM:
         # Sleep mode and pause_generation (RL training loops).
         self.sleeping = False
         self.paused = False
+        self._loras = AddedLoRAs()  # adapters the core has (engine.lora)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -118,14 +123,19 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they stream (DELTA: only new text each time).
 
         Raises ValueError for bad input, EngineDeadError if the core dies. Leaving the
         loop early (or cancelling the task) aborts the request in the core.
+        ``lora_request``: run under this adapter (added to the core first if new).
         """
         self._ensure_output_handler()
         await self._admit()
+        if lora_request is not None and self.processor.lora_enabled \
+                and self._loras.needs_adding(lora_request):
+            await self.add_lora(lora_request)
         processed = self.processor.process(
             request_id,
             prompt,
@@ -133,6 +143,7 @@ class AsyncLLM:
             priority=priority,
             cache_salt=cache_salt,
             add_special_tokens=add_special_tokens,
+            lora_request=lora_request,
         )
         collector = RequestOutputCollector(processed.params.output_kind)
         # Track before sending: outputs (or the core's death) can only find a known request.
@@ -158,6 +169,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's beam search for one prompt (:mod:`engine.core.beam_search`, the same
         bookkeeping as ``LLM.beam_search``): yields one finished RequestOutput whose
@@ -179,7 +191,8 @@ class AsyncLLM:
         async def one_token(tokens: list[int], beam_request_id: str):
             final = None
             generator = self.generate({"prompt_token_ids": tokens}, round_params,
-                                      beam_request_id, priority=priority, cache_salt=cache_salt)
+                                      beam_request_id, priority=priority, cache_salt=cache_salt,
+                                      lora_request=lora_request)
             async with contextlib.aclosing(generator):
                 async for output in generator:
                     final = output
@@ -346,6 +359,26 @@ class AsyncLLM:
         handles = share_tensors(named_tensors, self.config.parallel.world_size)
         await self._update("update_weights_from_tensors", handles)
 
+    # -- LoRA adapters ----------------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check the adapter on every rank and keep it loaded; ValueError naming what
+        does not fit (missing files, DoRA, a rank above max_lora_rank, another base)."""
+        self._check_usable()
+        self._loras.needs_adding(lora_request)
+        await self.client.call_utility("add_lora", lora_request)
+        self._loras.added(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (requests running under it finish with it)."""
+        self._check_usable()
+        self._loras.removed(lora_id)
+        return bool(await self.client.call_utility("remove_lora", lora_id))
+
+    async def list_loras(self) -> set[int]:
+        self._check_usable()
+        return set(await self.client.call_utility("list_loras"))
+
     async def _update(self, method: str, *args: Any) -> None:
         self._check_usable()
         await self.client.update_weights(method, *args)
@@ -420,6 +453,7 @@ class AsyncLLM:
         self.client = client
         self._error = None
         self.sleeping = self.paused = False  # the new core is awake and scheduling
+        self._loras = AddedLoRAs()  # the new core has none: added again when named
         self.num_core_restarts += 1
         logger.info(
             "engine core restarted in %.1f s (pid %d)", time.monotonic() - started, self.core_pid

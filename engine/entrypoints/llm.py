@@ -21,6 +21,7 @@ from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler.stats import SpecDecodingStats
 from engine.entrypoints.pooling_api import PoolingAPI, as_prompt_list
+from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +82,13 @@ class LLM(PoolingAPI):
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
-        return self._generate(as_prompt_list(prompts), sampling_params, use_tqdm, priority)
+        """Run every prompt to completion; outputs come back in input order.
+        ``lora_request``: the adapter for every prompt, or one per prompt (None: the
+        base model); needs ``enable_lora=True``."""
+        return self._generate(as_prompt_list(prompts), sampling_params, use_tqdm, priority,
+                              lora_request=lora_request)
 
     def _generate(
         self,
@@ -92,10 +97,12 @@ class LLM(PoolingAPI):
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
         add_special_tokens: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(prompt_list))
+        loras = _broadcast_loras(lora_request, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(
                 f"priority has {len(priority)} entries for {len(prompt_list)} prompts"
@@ -105,7 +112,8 @@ class LLM(PoolingAPI):
         def submit(i: int, request_id: str) -> None:
             engine.add_request(request_id, prompt_list[i], params_list[i],
                                priority=priority[i] if priority else 0,
-                               add_special_tokens=add_special_tokens)
+                               add_special_tokens=add_special_tokens,
+                               lora_request=loras[i])
 
         return self._submit_and_run(submit, len(prompt_list), use_tqdm)
 
@@ -139,6 +147,7 @@ class LLM(PoolingAPI):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate."""
         conversations = _as_conversations(messages)
@@ -154,7 +163,8 @@ class LLM(PoolingAPI):
             for conversation in conversations
         ]
         # The rendered template already holds BOS and other special tokens.
-        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False)
+        return self._generate(prompts, sampling_params, use_tqdm, add_special_tokens=False,
+                              lora_request=lora_request)
 
     def beam_search(
         self,
@@ -162,6 +172,7 @@ class LLM(PoolingAPI):
         params: BeamSearchParams,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (:mod:`engine.core.beam_search`): per prompt, the best
         ``params.beam_width`` sequences, best first. Each round submits every live beam of
@@ -183,7 +194,8 @@ class LLM(PoolingAPI):
             while live := [s for s in searches if not s.done]:
                 beams = [beam for s in live for beam in s.beams]
                 outputs = self._generate([{"prompt_token_ids": b.tokens} for b in beams],
-                                         round_params, use_tqdm=False)
+                                         round_params, use_tqdm=False,
+                                         lora_request=lora_request)
                 start = 0
                 for search in live:
                     results = outputs[start: start + len(search.beams)]
@@ -196,6 +208,22 @@ class LLM(PoolingAPI):
                 bar.close()
         tokenizer = self.get_tokenizer()
         return [s.finish(tokenizer) for s in searches]
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its first request (checked against the model on every
+        rank; ValueError naming what does not fit)."""
+        with self._engine_lock:
+            return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (requests running under it finish with it)."""
+        with self._engine_lock:
+            return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        with self._engine_lock:
+            return self.llm_engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block (False while blocks are still in use)."""
@@ -356,6 +384,19 @@ def _broadcast_params(
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _broadcast_loras(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+                     ) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if isinstance(lora, (str, bytes)) or not isinstance(lora, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got "
+                         f"{type(lora).__name__}")
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora requests for {n} prompts")
+    return list(lora)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -14,7 +14,9 @@ def engine_plugin_api_version() -> int:
 
 @hookimpl
 def engine_register_kv_connectors() -> list[type]:
+    from engine.kv_transfer.multi import MultiConnector
     from engine.kv_transfer.nixl_connector import NixlConnector
+    from engine.kv_transfer.offloading import OffloadingConnector
     from engine.kv_transfer.shared_storage import SharedStorageConnector
 
-    return [SharedStorageConnector, NixlConnector]
+    return [SharedStorageConnector, NixlConnector, OffloadingConnector, MultiConnector]

@@ -28,6 +28,7 @@ from engine.core.interfaces import (
     ForwardGraphCapturer,
     GraphCaptureError,
 )
+from engine.lora.layers import LoRABatch
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.input_batch import StepIndices
 
@@ -49,11 +50,13 @@ class DecodeGraphs:
         device: torch.device,
         hidden_input: tuple[int, torch.dtype] | None = None,
         layer_groups: list[int] | None = None,
+        lora: bool = False,
     ) -> None:
         """``hidden_input`` (width, dtype): the model also takes a ``target_hidden``
         ``[n, width]`` input per row (an EAGLE head), kept in a persistent buffer too.
         ``layer_groups``: a hybrid model's KV cache group per layer (each group gets its
-        own cache-slot and block-table buffers); None: one group."""
+        own cache-slot and block-table buffers); None: one group. ``lora``: the model
+        has LoRA slots; each row's adapter slot is a persistent input too."""
         self.capturer = capturer
         self.model = model
         self.attn_backend = attn_backend
@@ -73,6 +76,8 @@ class DecodeGraphs:
         self.group_block_tables = [torch.zeros(n, max_blocks_per_seq, **i64)
                                    for _ in range(num_extra)]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.lora_slots = torch.full((n,), -1, dtype=torch.int32, device=device) if lora \
+            else None
         self.target_hidden = None
         if hidden_input is not None:
             width, dtype = hidden_input
@@ -100,12 +105,16 @@ class DecodeGraphs:
         )
 
     def forward(
-        self, step: StepIndices, target_hidden: torch.Tensor | None = None
+        self, step: StepIndices, target_hidden: torch.Tensor | None = None,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor | None:
         """The model's hidden states for a decode-only ``step`` (a view the next replay
-        overwrites), or None when its batch size runs eagerly."""
+        overwrites), or None when its batch size runs eagerly. ``lora_slots``: each
+        row's adapter slot (int32, -1: none), for a model with LoRA slots."""
         n = len(step.input_ids)
         self._fill(step)
+        if self.lora_slots is not None:
+            self.lora_slots[:n].copy_(torch.from_numpy(lora_slots), non_blocking=True)
         if self.target_hidden is not None:
             self.target_hidden[:n].copy_(target_hidden)
         graph = self._graphs.get(n)
@@ -155,6 +164,8 @@ class DecodeGraphs:
             layer_metadata = [groups[g] for g in self.layer_groups]
         ids, positions = self.input_ids[:n], self.positions[:n]
         context = ForwardContext(metadata, self.kv_caches, layer_attn_metadata=layer_metadata)
+        if self.lora_slots is not None:  # recorded with the LoRA kernels: slots vary
+            context.lora = LoRABatch(self.lora_slots[:n], active=True)
         model = self.model
         extra = {} if self.target_hidden is None else {"target_hidden": self.target_hidden[:n]}
 

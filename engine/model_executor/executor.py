@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -81,6 +82,12 @@ class Executor(ABC):
         """Every rank runs the weight update ``Worker.method(*args)``
         (engine.model_executor.weight_update); the first rank's refusal is raised here: a
         ValueError for bad input (a wrong path, name or shape), else a RuntimeError."""
+        self.checked_rpc(method, *args)
+
+    def checked_rpc(self, method: str, *args: Any) -> None:
+        """``Worker.method(*args)`` on every rank, for methods that return their error
+        as a value (``{"error": ..., "type": ...}`` or None): the first rank's error is
+        raised (ValueError for bad input, else RuntimeError)."""
         for rank, result in enumerate(self.collective_rpc(method, *args)):
             if result:
                 error = ValueError if result.get("type", "ValueError") == "ValueError" \
@@ -100,11 +107,14 @@ class WorkerFailedError(RuntimeError):
     """A rank died or stopped answering; the engine cannot continue."""
 
 
-def blocks_per_sequence(config: EngineConfig, layout: KVCacheLayout | None = None) -> int:
-    """Blocks one sequence of ``max_model_len`` tokens holds at most, over every KV cache
-    group (a windowed group holds only its window and one step's tokens)."""
+def blocks_per_sequence(config: EngineConfig, layout: KVCacheLayout | None = None,
+                        max_model_len: int | None = None) -> int:
+    """Blocks one sequence of ``max_model_len`` tokens (None: the config's) holds at
+    most, over every KV cache group (a windowed group holds only its window and one
+    step's tokens)."""
     cache, sched = config.cache, config.scheduler
-    full = -(-sched.max_model_len // cache.block_size)
+    length = sched.max_model_len if max_model_len is None else max_model_len
+    full = -(-length // cache.block_size)
     if layout is None:
         return full
     step = sched.max_num_batched_tokens
@@ -112,22 +122,68 @@ def blocks_per_sequence(config: EngineConfig, layout: KVCacheLayout | None = Non
                for g in layout.groups)
 
 
+def largest_fitting_len(config: EngineConfig, capacity: int,
+                        layout: KVCacheLayout | None = None, limit: int | None = None) -> int:
+    """The largest max_model_len (at most ``limit``, None: the config's) whose one
+    sequence fits ``capacity`` blocks (one of them the null block); 0 when none does."""
+    hi = config.scheduler.max_model_len if limit is None else limit
+    lo = 0
+    while lo < hi:  # blocks_per_sequence grows with the length
+        mid = (lo + hi + 1) // 2
+        if blocks_per_sequence(config, layout, mid) + 1 <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _set_max_model_len(config: EngineConfig, length: int) -> None:
+    config.scheduler.max_model_len = length
+    config.model.max_model_len = length
+
+
 def clamp_num_blocks(config: EngineConfig, capacity: int, block_bytes: int,
                      layout: KVCacheLayout | None = None) -> int:
     """The engine's KV block count from the smallest rank capacity: never more than every
-    seat at full length could use, and refused when one sequence would not fit."""
+    seat at full length could use, and refused when one sequence would not fit (naming
+    the largest max_model_len that would). With ``--max-model-len auto`` the config's
+    max_model_len (the model's limit until now) becomes the largest length that fits."""
     cache, sched = config.cache, config.scheduler
+    if cache.max_model_len_auto:
+        fitting = largest_fitting_len(config, capacity, layout)
+        if fitting >= 2 and fitting < sched.max_model_len:
+            logger.info("max_model_len auto: %d tokens (the KV cache holds %d blocks; the "
+                        "model allows %d)", fitting, capacity, sched.max_model_len)
+            _set_max_model_len(config, fitting)
     blocks_per_seq = blocks_per_sequence(config, layout)
     num_blocks = min(capacity, blocks_per_seq * sched.max_num_seqs + 1)
     if num_blocks < blocks_per_seq + 1:
+        fitting = largest_fitting_len(config, num_blocks, layout)
+        hint = (f"use max_model_len <= {fitting}" if fitting >= 2 else
+                "no max_model_len fits")
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens "
             f"({block_bytes} bytes each), fewer than one sequence of max_model_len="
             f"{sched.max_model_len} needs ({blocks_per_seq + 1}); raise the KV cache "
-            "size (cpu_kvcache_space_gib / ENGINE_CPU_KVCACHE_SPACE, "
-            "gpu_memory_utilization) or lower max_model_len"
+            "size (--kv-cache-memory, cpu_kvcache_space_gib / ENGINE_CPU_KVCACHE_SPACE, "
+            f"gpu_memory_utilization) or {hint}"
         )
+    log_kv_cache_size(config, int(num_blocks), block_bytes, layout)
     return int(num_blocks)
+
+
+def log_kv_cache_size(config: EngineConfig, num_blocks: int, block_bytes: int,
+                      layout: KVCacheLayout | None = None) -> None:
+    """vLLM's start-up lines: the KV cache's size in tokens and how many requests of
+    max_model_len tokens it holds at once."""
+    cache, sched = config.cache, config.scheduler
+    usable = num_blocks - 1  # block 0 is the null block
+    per_seq = blocks_per_sequence(config, layout)
+    logger.info("KV cache size: %d tokens (%d blocks of %d tokens, %.1f MiB per rank)",
+                usable * cache.block_size, num_blocks, cache.block_size,
+                num_blocks * block_bytes / 2**20)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", sched.max_model_len,
+                usable / max(1, per_seq))
 
 
 class UniProcExecutor(Executor):
@@ -136,12 +192,18 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.config = config
         self.platform = platform
-        self.worker = Worker(config, platform)
-        capacity = self.worker.load()
+        # Async scheduling: the worker lives on its own thread (built, loaded and called
+        # there only: a platform's per-thread setup, e.g. the CPU's OpenMP team and its
+        # pinning, then serves every step), so the caller schedules while a step runs.
+        self._step_thread: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+            if config.scheduler.async_scheduling else None)
+        self.worker = self._on_worker_thread(Worker, config, platform)
+        capacity = self._on_worker_thread(self.worker.load)
         self.kv_cache_layout = self.worker.kv_cache_layout
         self.num_blocks = clamp_num_blocks(config, capacity, self.worker.kv_block_bytes(),
                                            self.kv_cache_layout)
-        self.worker.initialize_cache(self.num_blocks)
+        self._on_worker_thread(self.worker.initialize_cache, self.num_blocks)
         self.vocab_size = self.worker.model.vocab_size
 
     # The single rank's parts, for tools and tests that inspect them.
@@ -162,18 +224,31 @@ class UniProcExecutor(Executor):
         return self.worker.weights_bytes
 
     def execute_model(self, scheduler_output, grammar_bitmask=None, non_block=False):
-        output = self.worker.execute_model(scheduler_output, grammar_bitmask)
-        if non_block:
-            return StepFuture(lambda: output)
-        return output
+        """``non_block`` (async scheduling): the step runs on the worker's thread while
+        the caller schedules the next one; steps run in the order sent."""
+        if self._step_thread is None:
+            output = self.worker.execute_model(scheduler_output, grammar_bitmask)
+            return StepFuture(lambda: output) if non_block else output
+        future = self._step_thread.submit(self.worker.execute_model, scheduler_output,
+                                          grammar_bitmask)
+        return StepFuture(future.result) if non_block else future.result()
+
+    def _on_worker_thread(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` where the worker runs (after the steps sent before it)."""
+        if self._step_thread is None:
+            return fn(*args)
+        return self._step_thread.submit(fn, *args).result()
 
     def runtime_info(self) -> dict[str, Any]:
-        return self.worker.runtime_info()
+        return self._on_worker_thread(self.worker.runtime_info)
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+        return [self._on_worker_thread(getattr(self.worker, method), *args)]
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
+            self._step_thread = None
         self.worker.shutdown()
 
 

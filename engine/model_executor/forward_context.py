@@ -32,6 +32,8 @@ class ForwardContext:
     # layer index; None: no state layers.
     state_metadata: Any = None
     state_caches: list[tuple[torch.Tensor, ...]] | None = None
+    # LoRA: each token's adapter slot (engine.lora.layers.LoRABatch); None: no adapters.
+    lora: Any = None
 
     def metadata_for(self, layer_index: int) -> Any:
         """The attention metadata of the layer whose cache is ``kv_caches[layer_index]``."""
@@ -52,6 +54,11 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _current = previous
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward in progress, or None outside one."""
+    return _current
 
 
 def get_forward_context() -> ForwardContext:

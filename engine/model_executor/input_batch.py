@@ -56,6 +56,8 @@ class InputBatch:
         self.num_blocks = np.zeros((num_kv_cache_groups, max_num_reqs), dtype=np.int64)
         # Each row's state slot (models with state layers; 0, the null slot, otherwise).
         self.state_slots = np.zeros(max_num_reqs, dtype=np.int32)
+        # Each row's LoRA adapter id (0: the base model).
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self.row_to_req_id: list[str | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives row 0 first
@@ -69,6 +71,7 @@ class InputBatch:
         block_ids: tuple[list[int], ...],
         num_computed_tokens: int,
         state_slot: int | None = None,
+        lora_id: int = 0,
     ) -> int:
         if req_id in self.req_id_to_row:
             raise ValueError(f"request {req_id!r} is already in the batch")
@@ -82,6 +85,7 @@ class InputBatch:
         self.num_tokens[row] = n_prompt + n_out
         self.num_computed_tokens[row] = num_computed_tokens
         self.state_slots[row] = state_slot or 0
+        self.lora_ids[row] = lora_id
         self.num_blocks[:, row] = 0
         self.append_blocks(row, block_ids)
         self.req_id_to_row[req_id] = row

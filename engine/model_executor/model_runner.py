@@ -28,6 +28,7 @@ import torch
 from engine.core.interfaces import AttentionBatch, Platform
 from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.lora.layers import LoRABatch
 from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.input_batch import InputBatch, StepIndices, segment_offsets
@@ -42,6 +43,7 @@ from engine.model_executor.state_cache import (
 from engine.structured_output.bitmask import bitmask_for_sampling_rows, bitmask_for_spec_rows
 
 if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
     from engine.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -148,9 +150,12 @@ class ModelRunner:
         parallel: Any = None,
         kv_connector: Any = None,
         kv_cache_layout: KVCacheLayout | None = None,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
-        """``kv_cache_layout``: the model's KV cache groups (None: one group)."""
+        """``kv_cache_layout``: the model's KV cache groups (None: one group).
+        ``lora_manager``: the model's LoRA adapters (None: LoRA is off)."""
         self.model = model
+        self.lora_manager = lora_manager
         self.kv_cache_layout = kv_cache_layout
         num_groups = 1 if kv_cache_layout is None else kv_cache_layout.num_groups
         # The KV cache group of each layer (None: all in one group).
@@ -226,6 +231,7 @@ class ModelRunner:
                 max_blocks_per_seq=self.input_batch.block_table.shape[1],
                 device=self.device,
                 layer_groups=self._layer_groups,
+                lora=self.lora_manager is not None,
             )
 
     def free_kv_cache(self) -> None:
@@ -311,7 +317,10 @@ class ModelRunner:
                 new.block_ids,
                 new.num_computed_tokens,
                 state_slot=new.state_slot,
+                lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
             )
+            if new.lora_request is not None:
+                self.lora_manager.register(new.lora_request)
             params = new.sampling_params
             self.sampling_state.add_request(
                 row,
@@ -429,9 +438,13 @@ class ModelRunner:
         step = inputs.step
         if inputs.num_drafts is not None and step.max_query_len <= self._max_verify_len:
             step = self.input_batch.as_decode_rows(step)
+        lora_slots = None
+        if self.lora_manager is not None:  # each token's adapter slot
+            row_slots = self.lora_manager.slots_for(self.input_batch.lora_ids[step.rows])
+            lora_slots = np.repeat(row_slots, step.num_scheduled)
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers(step):
-            hidden = graphs.forward(step)
+            hidden = graphs.forward(step, lora_slots=lora_slots)
             if hidden is not None:
                 return hidden
         metadata, input_ids, positions = self._eager_inputs(step)
@@ -439,6 +452,8 @@ class ModelRunner:
             layer_metadata = None if self._layer_groups is None else build_layer_metadata(
                 self.attn_backend, step, metadata, self._layer_groups, self._upload)
             ctx = ForwardContext(metadata, self.kv_caches, self._layer_hooks, layer_metadata)
+            if lora_slots is not None:
+                ctx.lora = LoRABatch(self._upload(lora_slots), active=bool((row_slots >= 0).any()))
             if self.state_caches:
                 ctx.state_metadata = self._state_metadata(step)
                 ctx.state_caches = self.state_caches

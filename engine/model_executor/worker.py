@@ -14,6 +14,7 @@ import gc
 import logging
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.core.batch_invariance import set_batch_invariant
@@ -102,6 +103,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.proposer = None
         self.state_spec = None  # the model's state (Mamba) layers, set by load()
+        self.lora_manager = None  # the model's LoRA adapters (engine.lora), set by load()
 
     @property
     def is_output_rank(self) -> bool:
@@ -115,6 +117,7 @@ class Worker:
         platform.seed_everything(config.model.seed)
         dtype = getattr(torch, config.model.dtype)
         self.model, self.attn_backend = load_platform_model(config, platform, self.parallel)
+        self._make_lora_manager()
         self.weights_bytes = kernel_report.weight_bytes(self.model)
         spec = self.model.kv_cache_spec()
         # The KV cache holds the model dtype (vLLM's "auto"): a bf16 checkpoint computed in
@@ -144,7 +147,145 @@ class Worker:
         if draft_model is not None:  # each tensor once: an EAGLE head shares the target's
             self.weights_bytes = kernel_report.weight_bytes(
                 torch.nn.ModuleList([self.model, draft_model]))
+        if self.lora_manager is not None:  # the adapter slots sit beside the weights
+            self.weights_bytes += self.lora_manager.nbytes
+        self.activation_bytes = self.profile_activations()
         return self.kv_block_capacity()
+
+    # -- memory profiling -----------------------------------------------------------------
+    def _why_not_profiled(self) -> str | None:
+        """Why this rank sizes its KV cache without a profile run (None: it profiles)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return "num_gpu_blocks_override fixes the block count"
+        if cache.kv_cache_memory_bytes is not None:
+            return "--kv-cache-memory gives its size"
+        if not self.platform.kv_cache_needs_profile(cache):
+            return f"platform {self.platform.name}: the KV cache size is given"
+        if self.config.model.runner == "pooling":
+            return "pooling models are sized analytically"
+        if self.layout is not None and self.layout.pipeline_parallel_size > 1:
+            return "pipeline stages are sized analytically"
+        return None
+
+    def profile_activations(self) -> int | None:
+        """Peak activation bytes of one dummy step at ``max_num_batched_tokens`` tokens
+        (the longest prompts max_model_len allows, the rest one token each, so the
+        sampler runs ``min(max_num_seqs, tokens)`` rows), run by a throwaway runner over
+        a one-block KV cache every request's table points into; None when not measured
+        (the platform cannot, or this model kind is not profiled): the KV cache is then
+        sized analytically. Never raises: a failure logs and falls back."""
+        why_not = self.why_not_profiled = self._why_not_profiled()
+        if why_not is not None:
+            logger.debug("no memory profile run: %s", why_not)
+            self.why_not_profiled = why_not
+            return None
+        import time
+
+        start = time.perf_counter()
+        runner = None
+        try:
+            runner = self._make_runner(num_blocks=1, max_model_len=None, profile=True)
+            step = self._profile_step()
+            peak = self.platform.profile_peak_bytes(lambda: runner.execute_model(step))
+        except Exception as exc:  # noqa: BLE001 - profiling must never stop the engine
+            logger.warning("memory profile run failed (%s: %s): the KV cache is sized "
+                           "analytically", type(exc).__name__, exc)
+            self.why_not_profiled = f"the profile run failed: {type(exc).__name__}"
+            peak = None
+        finally:
+            if runner is not None:
+                runner.free_kv_cache()
+                if self.proposer is not None:  # the dummy requests leave no draft state
+                    self.proposer.forget(set(runner.input_batch.req_id_to_row))
+                runner = None
+            gc.collect()
+            self.platform.release_cached_memory()
+        if peak is None:
+            self.why_not_profiled = self.why_not_profiled or "not measurable here"
+            logger.info("no peak memory from the profile run on %s: the KV cache is sized "
+                        "analytically", self.platform.name)
+        else:
+            logger.debug("memory profile run: %.1f MiB peak activations in %.2f s",
+                         peak / 2**20, time.perf_counter() - start)
+        return peak
+
+    def _profile_step(self) -> SchedulerOutput:
+        """The dummy step: ``max_num_batched_tokens`` prompt tokens over
+        ``min(max_num_seqs, tokens)`` new requests, the first ones as long as
+        max_model_len allows (attention's peak), the rest one token each."""
+        import numpy as np
+
+        from engine.core.sampling_params import SamplingParams
+        from engine.core.scheduler.output import CachedRequestData, NewRequestData
+
+        sched, block_size = self.config.scheduler, self.config.cache.block_size
+        spec = self.config.speculative
+        lookahead = spec.num_speculative_tokens if spec is not None else 0
+        longest = max(1, sched.max_model_len - 1 - lookahead)  # room for the sampled token
+        tokens = sched.max_num_batched_tokens
+        num_reqs = max(1, min(sched.max_num_seqs, tokens))
+        lengths = [1] * num_reqs
+        extra = tokens - num_reqs
+        for i in range(num_reqs):
+            if extra <= 0:
+                break
+            grow = min(extra, longest - 1)
+            lengths[i] += grow
+            extra -= grow
+        rng = np.random.default_rng(0)
+        vocab = int(self.model.vocab_size)
+        params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, max_tokens=1)
+        num_groups = self.kv_cache_layout.num_groups
+        new_reqs = []
+        for i, length in enumerate(lengths):
+            table = [0] * -(-(length + 1 + lookahead) // block_size)
+            new_reqs.append(NewRequestData(
+                req_id=f"profile-{i}",
+                prompt_token_ids=rng.integers(0, vocab, length).tolist(),
+                output_token_ids=[],
+                sampling_params=params,
+                block_ids=tuple(list(table) for _ in range(num_groups)),
+                num_computed_tokens=0,
+                state_slot=i + 1 if self.state_spec is not None else None,
+            ))
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in new_reqs},
+            total_num_scheduled_tokens=sum(lengths),
+        )
+
+    def _make_lora_manager(self) -> None:
+        """LoRA slots on the (new) model's linears; adapters known before are kept."""
+        if self.config.lora is None:
+            return
+        from engine.lora.manager import LoRAManager
+
+        known = {} if self.lora_manager is None else self.lora_manager.known
+        dtype = activation_dtype(self.config, self.platform, getattr(torch, self.config.model.dtype))
+        self.lora_manager = LoRAManager(self.model, self.config.lora, self.platform, dtype,
+                                        self.platform.device())
+        self.lora_manager.known.update(known)
+
+    def add_lora(self, request: Any) -> dict[str, str] | None:
+        """Check the adapter against this rank's model and cache it (errors as values:
+        the front end raises the first rank's)."""
+        from engine.lora.request import LoRARequest
+
+        if self.lora_manager is None:
+            return {"error": "LoRA is not enabled (start the engine with enable_lora=True)"}
+        try:
+            self.lora_manager.add(msgspec.convert(request, LoRARequest))
+        except (ValueError, msgspec.ValidationError) as exc:
+            return {"error": str(exc), "type": "ValueError"}
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove(int(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora_manager is None else self.lora_manager.list()
 
     def _kv_cache_layout(self, spec: Any) -> KVCacheLayout:
         """The model's KV cache groups (engine.core.kv_cache.groups): by attention kind,
@@ -204,6 +345,26 @@ class Worker:
             block_bytes += self.draft_kv_spec.block_bytes(block_size)
         return block_bytes
 
+    def kv_cache_budget(self) -> int:
+        """Bytes this rank's KV cache (and state caches) may take: ``--kv-cache-memory``
+        when given, else the platform's rule from the weights and the profiled
+        activations."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        else:
+            budget = self.platform.kv_cache_budget(cache, self.weights_bytes,
+                                                   getattr(self, "activation_bytes", None))
+        self.kv_budget_bytes = int(budget)
+        return self.kv_budget_bytes
+
+    def memory_report(self) -> dict[str, Any]:
+        """The sizing figures of this rank (the start-up log, benchmark reports)."""
+        return {"weights_bytes": self.weights_bytes,
+                "activation_bytes": getattr(self, "activation_bytes", None),
+                "kv_budget_bytes": getattr(self, "kv_budget_bytes", None),
+                "state_bytes": self.state_bytes()}
+
     def kv_block_capacity(self) -> int:
         """KV blocks this rank's memory budget holds (each rank holds only its heads and
         its stage's layers, so a block costs a rank 1/(tp x pp) of the whole)."""
@@ -214,7 +375,7 @@ class Worker:
         state_bytes = self.state_bytes()  # the state layers' slots come off the budget
         budget = None
         if state_bytes:
-            budget = self.platform.kv_cache_bytes(cache, self.weights_bytes) - state_bytes
+            budget = self.kv_cache_budget() - state_bytes
             if budget < 0:
                 raise ValueError(
                     f"the state caches of {self.kv_cache_layout.num_state_slots} requests "
@@ -222,44 +383,48 @@ class Worker:
                     "lower max_num_seqs or raise the KV cache size")
         if block_bytes == 0:  # no KV layers (encoders, Mamba): blocks only count tokens
             sched = self.config.scheduler
+            logger.info("%smemory: weights %.1f MiB, state caches %.1f MiB, no KV layers",
+                        "" if self.layout is None else f"rank {self.layout.rank}: ",
+                        self.weights_bytes / 2**20, state_bytes / 2**20)
             return -(-sched.max_model_len // cache.block_size) * sched.max_num_seqs + 1
         if budget is None:
-            budget = self.platform.kv_cache_bytes(cache, self.weights_bytes)
-        return budget // block_bytes
+            budget = self.kv_cache_budget()
+        capacity = budget // block_bytes
+        activations = getattr(self, "activation_bytes", None)
+        logger.info(
+            "%smemory: weights %.1f MiB, peak activations %s, KV cache %.1f MiB (%s): "
+            "%d blocks of %d tokens",
+            "" if self.layout is None else f"rank {self.layout.rank}: ",
+            self.weights_bytes / 2**20,
+            (f"not profiled ({getattr(self, 'why_not_profiled', None) or 'not measurable'})"
+             if activations is None else f"{activations / 2**20:.1f} MiB"),
+            budget / 2**20, self._budget_source(), capacity, cache.block_size)
+        return capacity
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def _budget_source(self) -> str:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return "--kv-cache-memory"
+        if self.platform.device().type != "cpu":
+            return f"gpu_memory_utilization {cache.gpu_utilization}"
+        if cache.gpu_memory_utilization is not None and not cache.cpu_kvcache_space_given():
+            return f"{cache.gpu_memory_utilization} of RAM"
+        return "cpu_kvcache_space_gib / ENGINE_CPU_KVCACHE_SPACE"
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """The runner and its KV cache of ``num_blocks``; ``max_model_len``: the engine's
+        resolved length (``--max-model-len auto``), None: the config's."""
         config = self.config
-        sched = config.scheduler
-        # Forward graphs record one rank's kernels; collectives and stage hand-offs run
-        # between them, which no capturer here records: parallel ranks run eagerly.
-        eager = config.model.enforce_eager or (self.layout is not None
-                                               and self.layout.world_size > 1)
+        if max_model_len is not None and max_model_len != config.scheduler.max_model_len:
+            config.scheduler.max_model_len = max_model_len
+            config.model.max_model_len = max_model_len
         self.kv_connector = None
         if config.kv_transfer is not None:
             from engine.core.interfaces.kv_connector import KVConnectorRole
             from engine.kv_transfer.factory import make_connector
 
             self.kv_connector = make_connector(config, KVConnectorRole.WORKER)
-        runner_cls = ModelRunner
-        if config.model.runner == "pooling":
-            from engine.model_executor.pooling_runner import PoolingModelRunner
-
-            runner_cls = PoolingModelRunner
-        self.runner = runner_cls(
-            self.model,
-            self.attn_backend,
-            self.platform,
-            vocab_size=self.model.vocab_size,
-            max_num_reqs=sched.max_num_seqs,
-            max_model_len=sched.max_model_len,
-            block_size=config.cache.block_size,
-            enforce_eager=eager,
-            proposer=self.proposer,
-            parallel=self.parallel,
-            kv_connector=self.kv_connector,
-            kv_cache_layout=self.kv_cache_layout,
-        )
-        self.runner.allocate_kv_cache(self.kv_spec, num_blocks)
+        self.runner = self._make_runner(num_blocks)
         self.num_blocks = num_blocks
         logger.info(
             "%splatform %s, model implementation %s, attention %s, %.1f MiB weights, "
@@ -281,6 +446,39 @@ class Worker:
                         "group for all layers)", self.kv_cache_layout.describe(),
                         info["layers_per_block"], info["num_layers"],
                         100 * info["block_bytes"] / max(1, info["one_group_block_bytes"]))
+
+    def _make_runner(self, num_blocks: int, max_model_len: int | None = None,
+                     profile: bool = False) -> ModelRunner:
+        """A runner over a new KV cache of ``num_blocks``. ``profile``: the throwaway
+        runner of the profile run (eager, no KV connector)."""
+        config = self.config
+        sched = config.scheduler
+        # Forward graphs record one rank's kernels; collectives and stage hand-offs run
+        # between them, which no capturer here records: parallel ranks run eagerly.
+        eager = profile or config.model.enforce_eager or (
+            self.layout is not None and self.layout.world_size > 1)
+        runner_cls = ModelRunner
+        if config.model.runner == "pooling":
+            from engine.model_executor.pooling_runner import PoolingModelRunner
+
+            runner_cls = PoolingModelRunner
+        runner = runner_cls(
+            self.model,
+            self.attn_backend,
+            self.platform,
+            vocab_size=self.model.vocab_size,
+            max_num_reqs=sched.max_num_seqs,
+            max_model_len=max_model_len or sched.max_model_len,
+            block_size=config.cache.block_size,
+            enforce_eager=eager,
+            proposer=self.proposer,
+            parallel=self.parallel,
+            kv_connector=None if profile else self.kv_connector,
+            kv_cache_layout=self.kv_cache_layout,
+            **({} if self.lora_manager is None else {"lora_manager": self.lora_manager}),
+        )
+        runner.allocate_kv_cache(self.kv_spec, num_blocks)
+        return runner
 
     def kv_cache_info(self) -> dict[str, Any]:
         """The KV cache groups, what a block costs and what one group would have cost
@@ -460,6 +658,7 @@ class Worker:
         self._host_weights = []
         gc.collect()
         self.model, self.attn_backend = model, attn_backend
+        self._make_lora_manager()
         dtype = getattr(torch, config.model.dtype)
         self.proposer = build_proposer(
             config, platform, self.model, dtype, activation_dtype(config, platform, dtype))

@@ -169,7 +169,9 @@ class WorkerGroupExecutor(Executor):
         self.vocab_size = ready[0].vocab_size
         self.rank_weights_bytes = [ready[r].weights_bytes for r in range(self.world_size)]
         self.worker_pids = [ready[r].pid for r in range(self.world_size)]
-        self.collective_rpc("initialize_cache", self.num_blocks)
+        # The engine's max_model_len (resolved here with --max-model-len auto).
+        self.collective_rpc("initialize_cache", self.num_blocks,
+                            self.config.scheduler.max_model_len)
         logger.info("%d workers (tp %d x pp %d) ready: %d KV blocks, weights per rank %s MiB",
                     self.world_size, self.layout.tensor_parallel_size,
                     self.layout.pipeline_parallel_size, self.num_blocks,

@@ -23,12 +23,14 @@ def gpu_kv_cache_bytes(
     weights_bytes: int,
     utilization: float,
     platform: str,
+    activation_bytes: int | None = None,
 ) -> int:
     """Bytes the KV cache may take on one device.
 
     ``total * utilization`` is this engine's share of the device. From it come off the
     loaded weights, memory held outside torch's allocator (driver context, other
-    processes: ``total - free - torch_reserved``) and an activation margin.
+    processes: ``total - free - torch_reserved``) and the activations: the peak a profile
+    run measured (``activation_bytes``), else a fixed margin.
     """
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
@@ -36,14 +38,14 @@ def gpu_kv_cache_bytes(
         raise ValueError(f"weights_bytes must be >= 0, got {weights_bytes}")
     budget = int(total_bytes * utilization)
     outside_torch = max(0, total_bytes - free_bytes - torch_reserved_bytes)
-    margin = activation_margin(total_bytes)
+    margin = activation_margin(total_bytes) if activation_bytes is None else activation_bytes
     kv_bytes = budget - weights_bytes - outside_torch - margin
     if kv_bytes <= 0:
         raise ValueError(
             f"no memory left for the KV cache on {platform}: gpu_memory_utilization="
             f"{utilization} allows {budget / GIB:.2f} GiB of {total_bytes / GIB:.2f} GiB, but "
             f"weights take {weights_bytes / GIB:.2f} GiB, memory outside torch "
-            f"{outside_torch / GIB:.2f} GiB and the activation margin {margin / GIB:.2f} GiB; "
-            "raise gpu_memory_utilization or use a smaller model"
+            f"{outside_torch / GIB:.2f} GiB and activations {margin / GIB:.2f} GiB; "
+            "raise gpu_memory_utilization, give --kv-cache-memory or use a smaller model"
         )
     return kv_bytes

@@ -91,6 +91,10 @@ class TorchCudaApiPlatform(Platform):
         return torch.cuda.mem_get_info(self.device())[0]
 
     def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
+        return self.kv_cache_budget(cache_config, weights_bytes, None)
+
+    def kv_cache_budget(self, cache_config: Any, weights_bytes: int,
+                        activation_bytes: int | None) -> int:
         import torch
 
         dev = self.device()
@@ -100,9 +104,28 @@ class TorchCudaApiPlatform(Platform):
             free_bytes=free,
             torch_reserved_bytes=torch.cuda.memory_reserved(dev),
             weights_bytes=weights_bytes,
-            utilization=cache_config.gpu_memory_utilization,
+            utilization=cache_config.gpu_utilization,
             platform=f"{self.name} device {dev}",
+            activation_bytes=activation_bytes,
         )
+
+    def kv_cache_needs_profile(self, cache_config: Any) -> bool:
+        return True  # the KV cache is what is left after the activations
+
+    def profile_peak_bytes(self, fn: Any) -> int | None:
+        """torch.cuda's allocator peak over ``fn()`` (HIP: the same API), above what was
+        allocated before; the cached blocks are handed back afterwards."""
+        import torch
+
+        dev = self.device()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        torch.cuda.empty_cache()
+        return max(0, int(peak))
 
     def synchronize(self) -> None:
         import torch
@@ -124,6 +147,11 @@ class TorchCudaApiPlatform(Platform):
         from engine.kernels.offers import triton_fused_moe_kernels
 
         return triton_fused_moe_kernels()
+
+    def lora_kernels(self) -> list[type[Any]]:
+        from engine.kernels.lora_triton import triton_lora_kernels
+
+        return triton_lora_kernels()
 
     def quantized_gemm_kernels(self) -> list[type[Any]]:
         """The shared Triton kernels (engine.kernels.offers) bound to this device."""

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine.core.interfaces.fused_ops import FusedOps
     from engine.core.interfaces.gemm import DenseGemmKernel
     from engine.core.interfaces.graphs import ForwardGraphCapturer
+    from engine.core.interfaces.lora import LoRAKernel
     from engine.core.interfaces.moe import FusedMoEKernel
     from engine.core.interfaces.quant import QuantizedGemmKernel
 
@@ -120,6 +121,27 @@ class Platform(ABC):
     def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
         """Bytes the KV cache may take, given the cache config and loaded weights."""
 
+    # -- memory profiling (engine.model_executor.worker: the profile run) ------------------
+    def profile_peak_bytes(self, fn: Any) -> int | None:
+        """Run ``fn()`` and return the peak memory it used above what was in use before
+        (activations, workspaces, the sampler's buffers), or None when this platform
+        cannot measure it: the KV cache is then sized analytically (``kv_cache_bytes``).
+        Devices read their allocator's peak statistics; the CPU its resident set."""
+        fn()
+        return None
+
+    def kv_cache_needs_profile(self, cache_config: Any) -> bool:
+        """Whether ``kv_cache_budget`` under ``cache_config`` depends on the measured
+        activations, so a profile run is worth its start-up time. Default: no."""
+        return False
+
+    def kv_cache_budget(self, cache_config: Any, weights_bytes: int,
+                        activation_bytes: int | None) -> int:
+        """Bytes the KV cache may take once a profile run measured ``activation_bytes``
+        of peak activations (None: not measured). Default: ``kv_cache_bytes``, the
+        analytic rule (what a platform written before profiling existed keeps)."""
+        return self.kv_cache_bytes(cache_config, weights_bytes)
+
     def seed_everything(self, seed: int) -> None:
         import random
 
@@ -179,6 +201,11 @@ class Platform(ABC):
     def fused_moe_kernels(self) -> list[type["FusedMoEKernel"]]:
         """Fused mixture-of-experts kernels in preference order (empty: the portable
         torch implementation of the MoE layer)."""
+        return []
+
+    def lora_kernels(self) -> list[type["LoRAKernel"]]:
+        """Batched multi-LoRA kernels in preference order (empty: the portable torch
+        implementation, :class:`engine.kernels.lora_torch.TorchLoRAKernel`)."""
         return []
 
     def fused_ops(self) -> "FusedOps | None":

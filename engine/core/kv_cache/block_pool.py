@@ -9,11 +9,13 @@ Block 0 is reserved as the null block (the model runner pads block tables with 0
 - free and empty: ``ref_cnt == 0``, in the free queue, no hash.
 
 Allocation pops the head of the free queue and drops the popped block's hash (eviction).
+``on_evict(block_id, block_hash)``, when set, hears of each eviction first (the block
+still holds that hash's KV): a KV offloading tier stores it there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.core.kv_cache.block import KVCacheBlock
 from engine.core.kv_cache.free_queue import FreeKVCacheBlockQueue
@@ -36,6 +38,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -127,4 +130,6 @@ class BlockPool:
             return
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block_hash)
         block.block_hash = None

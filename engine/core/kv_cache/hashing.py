@@ -34,8 +34,14 @@ def hash_block_tokens(
     return hashlib.sha256(_encode((parent, token_ids, extra_keys))).digest()
 
 
-def request_extra_keys(request: Request) -> tuple[str, ...]:
-    return () if request.cache_salt is None else (request.cache_salt,)
+def request_extra_keys(request: Request) -> tuple[str | int, ...]:
+    """What besides the tokens decides a block's KV: the cache salt, and the adapter the
+    request runs under (the same prompt under another adapter has other K/V)."""
+    keys: tuple[str | int, ...] = () if request.cache_salt is None else (request.cache_salt,)
+    lora = request.lora_request
+    if lora is not None:
+        keys += ("lora", lora.lora_int_id, lora.lora_name, lora.lora_path)
+    return keys
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

@@ -15,6 +15,7 @@ import msgspec
 
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
+from engine.lora.request import LoRARequest
 
 
 class PooledData(msgspec.Struct, array_like=True, gc=False):
@@ -42,6 +43,8 @@ class NewRequestData:
     # A model with state layers: the request's state slot in every state layer's cache
     # (engine.core.kv_cache.state_slots); None: the model has none.
     state_slot: int | None = None
+    # The adapter the request runs under (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

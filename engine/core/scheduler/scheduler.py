@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,10 +105,12 @@ class Scheduler:
         kv_connector: Any = None,
         kv_cache_groups: tuple[KVCacheGroupSpec, ...] | None = None,
         num_state_slots: int = 0,
+        max_loras: int = 0,
     ) -> None:
         """``kv_cache_groups``: the model's KV cache groups (the executor's
         ``kv_cache_layout``); None: one group. ``num_state_slots``: per-request state
-        slots of a model with state layers (the layout's; 0: none).
+        slots of a model with state layers (the layout's; 0: none). ``max_loras``: the
+        most distinct LoRA adapters the running batch may hold (0: LoRA is off).
 
         Prefix caching is off for a model with state layers: a request's recurrent state
         exists only at the end of its last computed token, so cached blocks of a prefix
@@ -146,6 +149,10 @@ class Scheduler:
             max_step_tokens=self.max_num_batched_tokens + num_lookahead_tokens,
             num_state_slots=num_state_slots,
         )
+        # A connector that keeps evicted prefix blocks (the KV offloading tier) hears of them.
+        if getattr(kv_connector, "on_block_evicted", None) is not None:
+            self.kv_cache_manager.block_pool.on_evict = kv_connector.on_block_evicted
+        self.max_loras = max_loras
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_waiting_queue()
@@ -159,8 +166,13 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Advances constrained requests' matchers and forgets them when they finish.
         self.structured_output_manager = structured_output_manager
-        # Scheduled in a step whose output has not been processed yet.
-        self.in_flight: set[str] = set()
+        # Scheduled in a step whose output has not been processed yet (how many such
+        # steps: async scheduling runs a request one step ahead of its output).
+        self.in_flight: Counter[str] = Counter()
+        # Async scheduling: a request in flight may be scheduled again, its next token a
+        # placeholder the executor fills from its own sampling (Request
+        # .num_output_placeholders); constrained requests wait for their output.
+        self.async_scheduling = scheduler_config.async_scheduling
         # Tokens each request's executor state holds (send_new_token_ids only).
         self.send_new_token_ids = send_new_token_ids
         self._executor_num_tokens: dict[str, int] = {}
@@ -267,7 +279,7 @@ class Scheduler:
         while (i < len(self.running) and step.token_budget > 0
                and len(step.num_scheduled_tokens) < step.max_reqs):
             request = self.running[i]
-            if request.request_id in self.in_flight:
+            if request.request_id in self.in_flight and not self._runs_ahead(request):
                 i += 1
                 continue
             if request.num_tokens > kv.max_num_tokens:
@@ -296,6 +308,16 @@ class Scheduler:
             step.record(request, num_new, block_ids, is_new=False)
             i += 1
 
+    def _runs_ahead(self, request: Request) -> bool:
+        """Async scheduling: whether a request whose last step is still running may be
+        scheduled again (its grammar needs that step's token; so does a request the step
+        may finish by length)."""
+        if not self.async_scheduling or request.sampling_params.structured_outputs is not None:
+            return False
+        placeholders = request.num_output_placeholders
+        return (request.num_output_tokens + placeholders < request.max_tokens
+                and request.num_tokens + placeholders < self.max_model_len)
+
     def _victim_index(self, first: int) -> int | None:
         """The last running request at or after ``first`` that is not in flight."""
         for j in range(len(self.running) - 1, first - 1, -1):
@@ -306,10 +328,11 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         skipped: list[Request] = []
+        adapters = _AdapterAdmission(self.max_loras, self.running)
         while (self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs
                and len(step.num_scheduled_tokens) < step.max_reqs):
             request = self.waiting.peek()
-            if not self.is_ready(request):
+            if not self.is_ready(request) or not adapters.admits(request):
                 skipped.append(self.waiting.pop())
                 continue
             if request.num_tokens > kv.max_num_tokens:
@@ -343,6 +366,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit  # local hits and loaded tokens
             bisect.insort(self.running, request, key=self.policy.key)
+            adapters.add(request)
             step.record(request, num_new, block_ids, is_new=True)
         for request in reversed(skipped):
             self.waiting.prepend(request)
@@ -427,7 +451,8 @@ class Scheduler:
 
     def _grant(self, request: Request, num_computed: int, token_budget: int) -> int:
         """The unified rule: how many of the request's pending tokens run this step."""
-        num_new = min(request.num_tokens_with_spec - num_computed, token_budget)
+        pending = request.num_tokens_with_spec + request.num_output_placeholders
+        num_new = min(pending - num_computed, token_budget)
         threshold = self.long_prefill_token_threshold
         if self.enable_chunked_prefill and 0 < threshold < num_new:
             num_new = threshold
@@ -448,6 +473,7 @@ class Scheduler:
         self._executor_num_tokens.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.waiting.prepend(request)
@@ -489,6 +515,7 @@ class Scheduler:
                 pooling_params=r.pooling_params,
                 token_type_ids=r.token_type_ids,
                 state_slot=kv.get_state_slot(r.request_id),
+                lora_request=r.lora_request,
             )
             for r in step.new_reqs
         ]
@@ -503,7 +530,7 @@ class Scheduler:
         if self.send_new_token_ids:
             for r in (*step.new_reqs, *step.cached_reqs):
                 known[r.request_id] = r.num_tokens
-        self.in_flight.update(step.num_scheduled_tokens)
+        self.in_flight.update(step.num_scheduled_tokens.keys())
 
         spec_tokens: dict[str, list[int]] = {}
         for r in (*step.new_reqs, *step.cached_reqs):
@@ -517,6 +544,9 @@ class Scheduler:
                 spec_tokens[r.request_id] = list(r.spec_token_ids)
             else:  # no room for its drafts this step: they are dropped, not kept stale
                 r.spec_token_ids.clear()
+            if self.async_scheduling and (r.num_computed_tokens + num_new
+                                          >= r.num_tokens + r.num_output_placeholders):
+                r.num_output_placeholders += 1  # the step samples a token not known yet
             r.num_computed_tokens += num_new
         # Constrained requests that sample this step, in the executor's row order (one
         # still in its reasoning is not constrained yet).
@@ -551,7 +581,8 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = scheduler_output.num_scheduled_tokens
-        self.in_flight.difference_update(scheduled)
+        self.in_flight.subtract(scheduled.keys())
+        self.in_flight += Counter()  # drops the ids no step in flight holds any more
         self._add_expert_load(model_runner_output.expert_load)
         self._apply_connector_output(model_runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -576,7 +607,10 @@ class Scheduler:
                     if self._spec_stats is not None:
                         self._spec_stats.observe(len(drafts), len(sampled) - 1)
                 request.spec_token_ids.clear()
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_output_placeholders:  # async scheduling: the step's own token
+                if sampled:
+                    request.num_output_placeholders -= 1
+            elif request.num_computed_tokens < request.num_tokens:
                 sampled = []  # mid-prefill: the chunk's last logits are not a next token
             new_token_ids = self._append_tokens(request, sampled)
             if proposed is not None and proposed[i] and not request.is_finished:
@@ -709,7 +743,17 @@ class Scheduler:
             external_tokens_loaded=self._take("_external_tokens_loaded"),
             kv_transfer=self._kv_stats,
             num_held_for_send=len(self._held_for_send),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """Requests per adapter name, running and waiting (vLLM's lora_requests_info)."""
+        if not self.max_loras:
+            return {}
+        running = Counter(r.lora_request.lora_name for r in self.running if r.lora_request)
+        waiting = Counter(r.lora_request.lora_name for r in self.waiting if r.lora_request)
+        return {"max_loras": self.max_loras, "running_lora_adapters": dict(running),
+                "waiting_lora_adapters": dict(waiting)}
 
     def _take(self, counter: str) -> int:
         value = getattr(self, counter)
@@ -728,6 +772,37 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+class _AdapterAdmission:
+    """Which waiting requests may join the running batch without it holding more than
+    ``max_loras`` distinct LoRA adapters (a step runs every running request, and the
+    executor has one device slot per adapter of a step).
+
+    A request whose adapter finds no room waits; so does every later request with an
+    adapter, even one already running (requests without an adapter pass): the running
+    adapters' requests then drain and the blocked one takes the first free slot, rather
+    than waiting for as long as the running adapters keep getting new requests."""
+
+    def __init__(self, max_loras: int, running: list[Request]) -> None:
+        self.max_loras = max_loras
+        self.active = {r.lora_int_id for r in running if r.lora_int_id} if max_loras else set()
+        self.blocked = False
+
+    def admits(self, request: Request) -> bool:
+        lora_id = request.lora_int_id
+        if not lora_id or not self.max_loras:
+            return True
+        if self.blocked:
+            return False
+        if lora_id in self.active or len(self.active) < self.max_loras:
+            return True
+        self.blocked = True
+        return False
+
+    def add(self, request: Request) -> None:
+        if request.lora_int_id and self.max_loras:
+            self.active.add(request.lora_int_id)
 
 
 def _finish_reason(request: Request) -> int | None:

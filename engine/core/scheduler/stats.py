@@ -60,6 +60,10 @@ class SchedulerStats:
     # finished requests whose blocks wait for a consumer to pull them.
     kv_transfer: Any = None
     num_held_for_send: int = 0
+    # LoRA (max_loras 0: off): requests per adapter name, running and waiting.
+    max_loras: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
     @property

@@ -100,6 +100,11 @@ from engine.entrypoints.openai.serving_base import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_lora import (
+    LORA_REQUEST_MODELS,
+    ServedLoRAs,
+    add_lora_routes,
+)
 from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from engine.entrypoints.openai.serving_score import OpenAIServingScore
 from engine.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -177,13 +182,18 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     if settings.reasoning_parser is not None:
         get_reasoning_parser(settings.reasoning_parser)  # likewise
     model_name = settings.served_model_name or engine.model_name
-    metrics = ServerMetrics(model_name)
+    lora_config = getattr(engine.config, "lora", None)
+    metrics = ServerMetrics(model_name,
+                            max_loras=lora_config.max_loras if lora_config is not None else 0)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")
     model_config = engine.config.model
     defaults = load_sampling_defaults(model_config.model, model_config.generation_config)
     if note := defaults.describe():
         logger.info("%s (requests that set a field override it)", note)
     state = ServerState(engine, settings, metrics, pool, sampling_defaults=defaults)
+    # The names a request's `model` may give besides the base model (--lora-modules, and
+    # /v1/load_lora_adapter with --allow-runtime-lora-updating).
+    loras = state.loras = ServedLoRAs(engine, model_name, settings.lora_modules)
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     responses = OpenAIServingResponses(chat, settings.max_stored_responses)
@@ -195,6 +205,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.info("Serving model %r at http://%s:%d (OpenAI API under /v1)", model_name,
                     settings.host, settings.port)
+        if settings.lora_modules:  # `engine serve` loaded them already: a no-op then
+            await loras.load_all_missing()
         watcher = asyncio.create_task(watch_engine(state), name="engine-core-watcher")
         try:
             yield
@@ -248,13 +260,15 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 500))
     async def list_models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[model_card()]).model_dump(mode="json"))
+        cards = [model_card(), *loras.model_cards(engine.max_model_len)]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
              responses=error_responses(401, 404, 422, 500))
     async def retrieve_model(model_id: str) -> JSONResponse:
-        completions.check_model(model_id)
-        return JSONResponse(model_card().model_dump(mode="json"))
+        lora = completions.check_model(model_id)
+        card = model_card() if lora is None else loras.model_card(lora, engine.max_model_len)
+        return JSONResponse(card.model_dump(mode="json"))
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest),
               responses={**streaming_ok(CompletionResponse, CompletionStreamResponse),
@@ -313,10 +327,14 @@ def build_app(engine: Any, settings: ServerSettings | None = None, *,
 
     add_pooling_routes(app, pooling, max_depth, _guard)
     add_rl_routes(app, engine, _guard)
+    if settings.allow_runtime_lora_updating:
+        add_lora_routes(app, loras, max_depth, _guard)
     if getattr(engine.config.model, "enable_weight_updates", False):
         add_weight_update_routes(app, engine, _guard)
-    install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS,
-                    () if generates else POOLING_REQUEST_MODELS)
+    extra_models = () if generates else POOLING_REQUEST_MODELS
+    if settings.allow_runtime_lora_updating:
+        extra_models = (*extra_models, *LORA_REQUEST_MODELS)
+    install_openapi(app, OpenAPILimits.of(engine, settings), OPEN_PATHS, extra_models)
     return app
 
 

@@ -20,6 +20,10 @@ Two sources:
   (exported when the core's stats carry them); ``engine:structured_output_requests
   {enforcement}`` (``full`` / ``relaxed``) and ``engine:structured_output_relaxed_keywords
   {keyword}`` count constrained requests and the JSON Schema keywords they relaxed.
+* LoRA (with ``--enable-lora``): ``engine:lora_requests_info{max_lora,
+  running_lora_adapters, waiting_lora_adapters}``, vLLM's ``vllm:lora_requests_info``: the
+  adapter names with running / waiting requests (comma-joined) as labels, the scrape's
+  Unix time as the value (the latest sample is the current state).
 
 Names follow vLLM's with an ``engine:`` prefix (``engine:num_requests_running`` ...).
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -56,8 +61,9 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 class _CoreStatsCollector(Collector):
     """Exposes the last EngineCoreStats snapshot; ``ServerMetrics.refresh`` updates it."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int = 0) -> None:
         self.model_name = model_name
+        self.max_loras = max_loras  # 0: LoRA is off
         self.stats = EngineCoreStats()
         self.healthy = True
 
@@ -100,6 +106,23 @@ class _CoreStatsCollector(Collector):
             yield from self._expert_load(labels, value)
         if stats.kv_transfer_enabled:
             yield from self._kv_transfer(labels, value)
+        if self.max_loras or getattr(stats, "max_loras", 0):
+            yield self._lora_info(labels, value)
+
+    def _lora_info(self, labels: list[str], value: list[str]) -> Metric:
+        """vLLM's lora_requests_info: which adapters have running and waiting requests."""
+        stats = self.stats
+        running = getattr(stats, "running_lora_adapters", None) or {}
+        waiting = getattr(stats, "waiting_lora_adapters", None) or {}
+        max_lora = getattr(stats, "max_loras", 0) or self.max_loras
+        family = GaugeMetricFamily(
+            "engine:lora_requests_info",
+            "Running stats on LoRA requests: the adapters with running and waiting requests "
+            "(comma-joined names); the value is the time of the sample.",
+            labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([*value, str(max_lora), ",".join(running), ",".join(waiting)],
+                          time.time())
+        return family
 
     def _kv_transfer(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
         """The KV connector's traffic (disaggregated prefill/decode, external caches)."""
@@ -231,10 +254,10 @@ def _le(bound: float) -> str:
 class ServerMetrics:
     """The registry of one app and the observations the serving layer makes."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int = 0) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._core = _CoreStatsCollector(model_name)
+        self._core = _CoreStatsCollector(model_name, max_loras)
         self.registry.register(self._core)
         labels = ["model_name"]
         self.prompt_tokens = Counter(

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from pydantic import BaseModel
@@ -50,8 +50,12 @@ from engine.entrypoints.openai.errors import (
 )
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import SamplingRequest
+from engine.lora.request import LoRARequest
 from engine.structured_output.openai_fields import structured_outputs_from_request
 from engine.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from engine.entrypoints.openai.serving_lora import ServedLoRAs
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,11 @@ class ServerSettings:
     # /v1/responses: how many stored responses (store: true) are kept in memory for
     # previous_response_id and GET /v1/responses/{id}; the least recently used go first.
     max_stored_responses: int = 1000
+    # LoRA adapters served from startup (--lora-modules; ``engine serve`` has loaded them
+    # into the engine already, the app adds any the engine lacks when it starts) and
+    # whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
+    lora_modules: list[LoRARequest] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
 
 @dataclass
@@ -112,6 +121,8 @@ class ServerState:
     stop_server: Callable[[], None] | None = None
     shutting_down: bool = False  # a shutdown has begun: a dead core is not restarted
     exit_code: int = 0  # what the server process exits with
+    # The LoRA adapters a request's ``model`` may name (serving_lora); None: only the base.
+    loras: ServedLoRAs | None = None
 
     async def abort_in_flight(self) -> int:
         """End every generating request (its response finishes with reason "abort")."""
@@ -147,6 +158,7 @@ class GenerationJob:
     priority: int = 0
     cache_salt: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter the request named (None: base)
 
 
 class OpenAIServing:
@@ -165,9 +177,19 @@ class OpenAIServing:
         self.sampling_defaults = state.sampling_defaults
 
     # -- checks ---------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name and name != self.model_name:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``name`` (a request's ``model``) names; None for the base model
+        (or no name); the model-not-found 404 for anything else."""
+        if not name or name == self.model_name:
+            return None
+        loras = self.state.loras
+        if loras is None:
             raise model_not_found(name)
+        return loras.resolve(name)
+
+    def response_model_name(self, lora: LoRARequest | None) -> str:
+        """What a response's ``model`` says: the adapter's name, else the base model's."""
+        return self.model_name if lora is None else lora.lora_name
 
     async def check_alive(self) -> None:
         """A 503 at once when the engine core has died (or the engine was shut down)."""
@@ -295,9 +317,10 @@ class OpenAIServing:
         """Run the engine's own request checks now, so failures are 400s, not stream errors.
         With ``request``, a constraint no backend can compile names its field."""
         try:
+            extra = {} if job.lora_request is None else {"lora_request": job.lora_request}
             self.engine.processor.process(
                 job.request_id, job.prompt.token_ids, job.params,
-                priority=job.priority, cache_salt=job.cache_salt)
+                priority=job.priority, cache_salt=job.cache_salt, **extra)
         except ValueError as exc:
             param = None
             if request is not None and "structured output" in str(exc):
@@ -310,8 +333,20 @@ class OpenAIServing:
         logprobs are kept on ``job`` (in DELTA mode they arrive only once)."""
         reasons: dict[int, str] = {}
         last_metrics: RequestMetrics | None = None
-        generator = self.engine.generate(job.prompt.token_ids, job.params, job.request_id,
-                                         priority=job.priority, cache_salt=job.cache_salt)
+        lora, loras = job.lora_request, self.state.loras
+        extra: dict[str, Any] = {}
+        if lora is not None:
+            if loras is not None:  # an adapter unloaded meanwhile: model-not-found
+                await loras.acquire(lora)
+            extra["lora_request"] = lora
+        try:
+            generator = self.engine.generate(job.prompt.token_ids, job.params, job.request_id,
+                                             priority=job.priority, cache_salt=job.cache_salt,
+                                             **extra)
+        except BaseException:
+            if lora is not None and loras is not None:
+                loras.release(lora)
+            raise
         self.state.in_flight.add(job.request_id)
         try:
             async with contextlib.aclosing(generator):
@@ -325,6 +360,8 @@ class OpenAIServing:
                     yield output
         finally:
             self.state.in_flight.discard(job.request_id)
+            if lora is not None and loras is not None:
+                loras.release(lora)
             n = job.params.n
             self.metrics.observe_request(last_metrics, len(job.prompt.token_ids),
                                          [reasons.get(i, "abort") for i in range(n)])

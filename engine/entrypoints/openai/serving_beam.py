@@ -52,12 +52,19 @@ async def collect_beam_search(serving: OpenAIServing, job: GenerationJob,
                               beam: BeamSearchParams) -> RequestOutput:
     """Run one prompt's beam search to its RequestOutput (``beam_width`` completions)."""
     final: RequestOutput | None = None
-    generator = serving.engine.beam_search(
-        job.prompt.token_ids, job.request_id, beam, priority=job.priority,
-        cache_salt=job.cache_salt)
-    async with contextlib.aclosing(generator):
-        async for output in generator:
-            final = output
+    lora, loras = job.lora_request, serving.state.loras
+    if lora is not None and loras is not None:  # an adapter unloaded meanwhile: 404
+        await loras.acquire(lora)
+    try:
+        generator = serving.engine.beam_search(
+            job.prompt.token_ids, job.request_id, beam, priority=job.priority,
+            cache_salt=job.cache_salt, lora_request=lora)
+        async with contextlib.aclosing(generator):
+            async for output in generator:
+                final = output
+    finally:
+        if lora is not None and loras is not None:
+            loras.release(lora)
     if final is None:
         raise APIError(500, f"beam search {job.request_id} ended without output")
     return final

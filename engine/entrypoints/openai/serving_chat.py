@@ -100,6 +100,7 @@ class _Options:
     top_logprobs: int | None  # None: no logprobs
     tools: ToolCallHandler | None = None  # None: no tools (the text is the content)
     reasoning: ReasoningParser | None = None  # None: no reasoning split
+    model: str = ""  # the response's ``model``: the base model's name or the adapter's
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         """OpenAI reports "tool_calls" when the model chose to call (auto / required); a
@@ -159,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = len(job.prompt.token_ids)
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         response = ChatCompletionResponse(
-            id=options.request_id, created=options.created, model=self.model_name,
+            id=options.request_id, created=options.created, model=options.model,
             choices=choices,
             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                             total_tokens=prompt_tokens + completion_tokens),
@@ -174,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         """Validate ``request`` and build its engine job (every 400 is raised here, before
         any response starts). The Responses API (``serving_responses``) runs its requests,
         translated to chat requests, through this same step."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         await self.check_alive()
         self.log_ignored_fields(request, endpoint)
         _reject_unsupported(request)
@@ -206,7 +207,8 @@ class OpenAIServingChat(OpenAIServing):
             request_id=request_id or random_id("chatcmpl"), created=now_s(),
             n=1 if request.n is None else request.n,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            tools=handler, reasoning=self.reasoning_parser)
+            tools=handler, reasoning=self.reasoning_parser,
+            model=self.response_model_name(lora))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = self.sampling_params(request, max_tokens=max_tokens,
                                       logprobs=options.top_logprobs,
@@ -218,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
                 and params.skip_special_tokens):  # keep special-token markers in the text
             params = params.clone(skip_special_tokens=False)
         job = GenerationJob(0, options.request_id, prompt, params, request.priority,
-                            request.cache_salt)
+                            request.cache_salt, lora_request=lora)
         relaxed = relaxed_keywords(params.structured_outputs)  # the 400 is validate_job's
         self.validate_job(job, request)
         beam = beam_search_params(request, job)  # use_beam_search; None: sampling
@@ -331,7 +333,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatStreamChoice], with_usage: bool) -> str:
             return sse(ChatCompletionStreamResponse(
-                id=options.request_id, created=options.created, model=self.model_name,
+                id=options.request_id, created=options.created, model=options.model,
                 choices=choices, usage=usage() if with_usage else None).model_dump(
                     mode="json", exclude_none=True))
 

@@ -79,11 +79,12 @@ class _Options:
     drop_generated: bool  # max_tokens=0: the one generated token is not returned
     num_logprobs: int | None
     return_prompt_logprobs: bool
+    model: str = ""  # the response's ``model``: the base model's name or the adapter's
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, receive: Callable) -> Response:
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         await self.check_alive()
         self.log_ignored_fields(request, "/v1/completions")
         n = 1 if request.n is None else request.n
@@ -101,6 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id=random_id("cmpl"), created=now_s(), n=n, echo=bool(request.echo),
             drop_generated=request.max_tokens == 0, num_logprobs=request.logprobs,
             return_prompt_logprobs=request.prompt_logprobs is not None,
+            model=self.response_model_name(lora),
         )
         prompt_logprobs = request.prompt_logprobs
         if options.echo and request.logprobs is not None:
@@ -117,7 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                           prompt_logprobs=prompt_logprobs, output_kind=kind,
                                           structured_outputs=structured)
             job = GenerationJob(i, f"{options.request_id}-{i}", prompt, params,
-                                request.priority, request.cache_salt)
+                                request.priority, request.cache_salt, lora_request=lora)
             if i == 0:  # one constraint for every prompt; the 400 is validate_job's
                 relaxed = relaxed_keywords(params.structured_outputs)
             self.validate_job(job, request)
@@ -184,7 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
         transfer = next((o.kv_transfer_params for o in outputs
                          if getattr(o, "kv_transfer_params", None) is not None), None)
         return CompletionResponse(
-            id=options.request_id, created=options.created, model=self.model_name,
+            id=options.request_id, created=options.created, model=options.model,
             choices=choices, usage=UsageInfo(prompt_tokens=prompt_tokens,
                                              completion_tokens=completion_tokens,
                                              total_tokens=prompt_tokens + completion_tokens),
@@ -258,11 +260,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     if choices:
                         yield sse(CompletionStreamResponse(
                             id=options.request_id, created=options.created,
-                            model=self.model_name, choices=choices,
+                            model=options.model, choices=choices,
                             usage=usage() if continuous_usage else None))
             if include_usage:
                 yield sse(CompletionStreamResponse(
-                    id=options.request_id, created=options.created, model=self.model_name,
+                    id=options.request_id, created=options.created, model=options.model,
                     choices=[], usage=usage()))
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             yield sse_error(exc)

@@ -398,7 +398,8 @@ class OpenAIServingResponses:
                 total_tokens=input_tokens + output_tokens)
         response = ResponseObject(
             id=turn.response_id, created_at=turn.created_at, status=status,
-            incomplete_details=incomplete, model=self.chat.model_name,
+            incomplete_details=incomplete,
+            model=self.chat.response_model_name(turn.prepared.job.lora_request),
             output=turn.items if status != "in_progress" else [],
             instructions=request.instructions, tools=request.tools or [],
             tool_choice=request.tool_choice or "auto",

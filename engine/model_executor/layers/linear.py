@@ -219,6 +219,8 @@ class LinearBase(nn.Module):
     ``input_part`` the same for the input features (row parallel)."""
 
     gemm_kernel: DenseGemmKernel | None = None  # set by pack_dense_weights
+    # LoRA adapter slots (engine.lora.layers.LoRALinearSlots), set when LoRA is enabled.
+    lora: Any = None
     shard_sizes: dict[Any, int]
     output_parts: dict[Any, tuple[int, int]]
     input_part: tuple[int, int] | None = None
@@ -302,7 +304,10 @@ class LinearBase(nn.Module):
         return materialize(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, out)
+        return out
 
     def dense_weight_spec(self) -> DenseLayerSpec | None:
         """Packable when unquantized and not packed yet."""
@@ -368,8 +373,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.quant_method.apply(self, x, self.bias)
+            return super().forward(x)
         out = self.quant_method.apply(self, x, None)
+        if self.lora is not None:  # this rank's partial delta joins the reduction
+            self.lora.add_delta(x, out)
         if not self.reduce_results:
             return out
         out = self.tp.all_reduce(out)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         ForwardGraphCapturer,
         FusedMoEKernel,
         FusedOps,
+        LoRAKernel,
         QuantizedGemmKernel,
     )
 
@@ -93,6 +94,53 @@ def free_memory_bytes() -> int:
     return available
 
 
+def _status_kib(*fields: str) -> list[int] | None:
+    """Fields of /proc/self/status in KiB (VmRSS, VmHWM); None where unreadable."""
+    try:
+        with open("/proc/self/status") as f:
+            values = dict(line.split(":", 1) for line in f if ":" in line)
+        return [int(values[name].split()[0]) for name in fields]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (VmHWM) to its current size (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free memory back to the OS (glibc), so memory ``fn`` reuses from
+    earlier frees shows as growth of the resident set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def profile_peak_rss_bytes(fn: Any) -> int | None:
+    """Run ``fn()``; the growth of the resident set at its peak (None: not measurable
+    here). The allocator may hand memory back between steps; the high-water mark keeps
+    the peak."""
+    _trim_heap()
+    before = _status_kib("VmRSS")
+    if before is None or not _reset_peak_rss():
+        fn()
+        return None
+    fn()
+    after = _status_kib("VmHWM")
+    if after is None:
+        return None
+    return max(0, after[0] - before[0]) * 1024
+
+
 class CPUPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -125,13 +173,47 @@ class CPUPlatform(Platform):
         Refused when cache plus weights exceed the machine's RAM; a cache larger than
         what is free right now only warns (the OS may reclaim page cache).
         """
-        kv_bytes = int(cache_config.resolved_cpu_kvcache_gib() * GIB)
+        return self.kv_cache_budget(cache_config, weights_bytes, None)
+
+    def profile_peak_bytes(self, fn: Any) -> int | None:
+        return profile_peak_rss_bytes(fn)
+
+    def kv_cache_needs_profile(self, cache_config: Any) -> bool:
+        """Only a share of RAM (an explicit ``gpu_memory_utilization`` without a KV cache
+        space) depends on the activations; a given size does not, and start-up skips the
+        profile run (a step at max_num_batched_tokens, seconds on a small host)."""
+        return (cache_config.gpu_memory_utilization is not None
+                and not cache_config.cpu_kvcache_space_given())
+
+    def kv_cache_budget(self, cache_config: Any, weights_bytes: int,
+                        activation_bytes: int | None) -> int:
+        """The KV cache space when given (``cpu_kvcache_space_gib`` /
+        ENGINE_CPU_KVCACHE_SPACE; 4 GiB by default); with an explicit
+        ``gpu_memory_utilization`` and no space given, that share of the host's RAM less
+        the weights and the profiled activations, and never more than is free now."""
+        activations = activation_bytes or 0
         total = self.total_memory_bytes()
-        if kv_bytes + weights_bytes > total:
+        if (cache_config.gpu_memory_utilization is not None
+                and not cache_config.cpu_kvcache_space_given()):
+            share = int(total * cache_config.gpu_memory_utilization)
+            kv_bytes = min(share - weights_bytes - activations,
+                           self.available_memory_bytes() - activations)
+            if kv_bytes <= 0:
+                raise ValueError(
+                    f"no RAM left for the KV cache: gpu_memory_utilization="
+                    f"{cache_config.gpu_memory_utilization} allows {share / GIB:.2f} GiB of "
+                    f"{total / GIB:.2f} GiB, but weights take {weights_bytes / GIB:.2f} GiB "
+                    f"and activations {activations / GIB:.2f} GiB (and "
+                    f"{self.available_memory_bytes() / GIB:.2f} GiB are free); raise it, or "
+                    "give the size (--kv-cache-memory, ENGINE_CPU_KVCACHE_SPACE)")
+            return kv_bytes
+        kv_bytes = int(cache_config.resolved_cpu_kvcache_gib() * GIB)
+        if kv_bytes + weights_bytes + activations > total:
             raise ValueError(
                 f"CPU KV cache of {kv_bytes / GIB:.2f} GiB plus {weights_bytes / GIB:.2f} GiB "
-                f"of weights exceeds this machine's {total / GIB:.2f} GiB of RAM; lower "
-                "ENGINE_CPU_KVCACHE_SPACE (or cpu_kvcache_space_gib)"
+                f"of weights (and {activations / GIB:.2f} GiB of activations) exceeds this "
+                f"machine's {total / GIB:.2f} GiB of RAM; lower ENGINE_CPU_KVCACHE_SPACE "
+                "(or cpu_kvcache_space_gib, --kv-cache-memory)"
             )
         free = self.available_memory_bytes()
         if kv_bytes > free:
@@ -285,6 +367,11 @@ class CPUPlatform(Platform):
         if config.model.batch_invariant and load_kernels() is None:
             raise ValueError("batch-invariant mode on the CPU needs the plugin's C kernels, "
                              "which could not be built or are disabled here (the log says why)")
+        if config.scheduler.async_scheduling:
+            logger.warning("async scheduling on the CPU: the host's scheduling runs beside "
+                           "the model's compute threads on the same cores and the Python "
+                           "of both shares one interpreter lock (measured slower than the "
+                           "serial loop on 2 cores: README, async scheduling)")
 
     def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
         from engine.plugins.cpu.gemm import gemm_preference
@@ -297,6 +384,13 @@ class CPUPlatform(Platform):
         from engine.plugins.cpu.quant_gemm import quant_gemm_preference
 
         return quant_gemm_preference()
+
+    def lora_kernels(self) -> list[type[LoRAKernel]]:
+        """The plugin's C kernel (csrc/lora.c, replayable in forward graphs) when the C
+        kernels load; else [] (the portable torch kernel)."""
+        from engine.plugins.cpu.lora import lora_preference
+
+        return lora_preference()
 
     def fused_ops(self) -> FusedOps | None:
         """The C kernels of :mod:`engine.plugins.cpu.native` (None without a compiler)."""

@@ -107,6 +107,10 @@ class XPUPlatform(Platform):
         return self._mem_info()[0]
 
     def kv_cache_bytes(self, cache_config: Any, weights_bytes: int) -> int:
+        return self.kv_cache_budget(cache_config, weights_bytes, None)
+
+    def kv_cache_budget(self, cache_config: Any, weights_bytes: int,
+                        activation_bytes: int | None) -> int:
         import torch
 
         free, total = self._mem_info()
@@ -115,9 +119,34 @@ class XPUPlatform(Platform):
             free_bytes=free,
             torch_reserved_bytes=torch.xpu.memory_reserved(self.device()),
             weights_bytes=weights_bytes,
-            utilization=cache_config.gpu_memory_utilization,
+            utilization=cache_config.gpu_utilization,
             platform=f"{self.name} device {self.device()}",
+            activation_bytes=activation_bytes,
         )
+
+    def kv_cache_needs_profile(self, cache_config: Any) -> bool:
+        return True  # the KV cache is what is left after the activations
+
+    def profile_peak_bytes(self, fn: Any) -> int | None:
+        """torch.xpu's allocator peak over ``fn()`` (None on a torch without the XPU
+        memory statistics)."""
+        import torch
+
+        xpu = torch.xpu
+        if not all(hasattr(xpu, name) for name in (
+                "reset_peak_memory_stats", "max_memory_allocated", "memory_allocated")):
+            fn()
+            return None
+        dev = self.device()
+        xpu.synchronize()
+        xpu.reset_peak_memory_stats(dev)
+        before = xpu.memory_allocated(dev)
+        fn()
+        xpu.synchronize()
+        peak = xpu.max_memory_allocated(dev) - before
+        if hasattr(xpu, "empty_cache"):
+            xpu.empty_cache()
+        return max(0, int(peak))
 
     def synchronize(self) -> None:
         import torch
@@ -153,6 +182,11 @@ class XPUPlatform(Platform):
         from engine.kernels.offers import triton_fused_moe_kernels
 
         return triton_fused_moe_kernels()
+
+    def lora_kernels(self) -> list[type[Any]]:
+        from engine.kernels.lora_triton import triton_lora_kernels
+
+        return triton_lora_kernels()
 
     def quantized_gemm_kernels(self) -> list[type[Any]]:
         """The shared Triton kernels (engine.kernels.offers) bound to this device (a
