@@ -182,12 +182,17 @@ def prefix_prompts(
     return first, second
 
 
-def _ttft_of_second_prompt(llm, pair: tuple[list[int], list[int]]) -> tuple[float, int]:
-    """Run the earlier prompt, then the later one; the later one's TTFT (ms), cached count."""
+def _ttft_of_second_prompt(llm, pair: tuple[list[int], list[int]],
+                           between: list[list[int]] = ()) -> tuple[float, int]:
+    """Run the earlier prompt, then the ``between`` prompts (a working set that pushes its
+    blocks out of the KV cache), then the later one; the later one's TTFT (ms) and cached
+    token count."""
     from engine.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": pair[0]}], params, use_tqdm=False)
+    for prompt in between:  # one at a time: each evicts what the cache cannot keep
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     gc.collect()
     (output,) = llm.generate([{"prompt_token_ids": pair[1]}], params, use_tqdm=False)
     return output.metrics.time_to_first_token * 1e3, output.num_cached_tokens
@@ -201,23 +206,28 @@ def run_prefix(
     warmup: int = 1,
     repeats: int = 1,
     seed: int = 0,
+    working_set: int = 0,
 ) -> PrefixResult:
     """TTFT of a prompt sharing ``prefix_len`` tokens with an earlier one, cache on vs off.
 
     ``make_llm(enable_prefix_caching)`` builds an engine; the two are built one after
     the other (never both alive) and see the same prompt pairs, fresh for every round
-    so no round finds the previous round's blocks.
+    so no round finds the previous round's blocks. ``working_set``: that many other
+    prompts of ``input_len`` run between the two, so a KV cache smaller than them has
+    evicted the prefix by the revisit (what a KV offloading tier brings back).
     """
     _check_rounds(warmup, repeats)
     rng = random.Random(seed)
     pairs = [prefix_prompts(rng, input_len, prefix_len, vocab_high) for _ in range(warmup + repeats)]
+    between = [[rng.randrange(LOWEST_TOKEN_ID, vocab_high) for _ in range(input_len)]
+               for _ in range(working_set)]
     ttft: dict[bool, list[float]] = {True: [], False: []}
     cached_tokens = 0
     for caching in (True, False):
         llm = make_llm(caching)
         try:
             for i, pair in enumerate(pairs):
-                ms, cached = _ttft_of_second_prompt(llm, pair)
+                ms, cached = _ttft_of_second_prompt(llm, pair, between)
                 if i >= warmup:
                     ttft[caching].append(ms)
                     if caching:
@@ -230,6 +240,6 @@ def run_prefix(
         ttft_cached_ms=Runs(ttft[True]),
         ttft_uncached_ms=Runs(ttft[False]),
         num_cached_tokens=cached_tokens,
-        extra={"input_len": input_len, "prefix_len": prefix_len},
+        extra={"input_len": input_len, "prefix_len": prefix_len, "working_set": working_set},
     )
 

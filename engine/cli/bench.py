@@ -248,9 +248,13 @@ def latency_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: b
 @_workload_options(num_prompts=1, input_len=1024, output_len=1)
 @click.option("--prefix-len", type=int, default=960, show_default=True,
               help="Leading tokens the measured prompt shares with the earlier one.")
+@click.option("--working-set", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Other prompts of --input-len run between the two: with a KV cache "
+                   "smaller than them the prefix is evicted before the revisit (compare "
+                   "with and without --kv-offloading-size).")
 def prefix_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bool,
                warmup: int, repeats: int, json_path: str | None, prefix_len: int,
-               **engine_kwargs) -> None:
+               working_set: int, **engine_kwargs) -> None:
     """Prefix caching: TTFT of a prompt sharing --prefix-len tokens, caching on vs off."""
     from engine.benchmarks.offline import run_prefix
     from engine.benchmarks.report import runs_text
@@ -260,7 +264,9 @@ def prefix_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bo
 
     def make_llm(caching: bool):
         start = time.perf_counter()
-        llm = _make_llm(engine_kwargs, enable_prefix_caching=caching)
+        # The offloading tier keeps prefix-cache blocks: the caching-off run has neither.
+        kwargs = engine_kwargs if caching else {**engine_kwargs, "kv_offloading_size": None}
+        llm = _make_llm(kwargs, enable_prefix_caching=caching)
         info.setdefault("llm", _llm_info(llm, time.perf_counter() - start))
         return llm
 
@@ -268,12 +274,15 @@ def prefix_cmd(num_prompts: int, input_len: int, output_len: int, ignore_eos: bo
         result = run_prefix(
             make_llm, input_len=input_len, prefix_len=prefix_len,
             vocab_high=_vocab_high(engine_kwargs), warmup=warmup, repeats=repeats,
+            working_set=working_set,
         ).to_json()
     except (ValueError, FileNotFoundError) as exc:
         _fail(exc)
     _emit("prefix", info["llm"], {"input_len": input_len, "prefix_len": prefix_len,
-                           "warmup": warmup, "repeats": repeats}, result, [
+                           "warmup": warmup, "repeats": repeats,
+                           "working_set": working_set}, result, [
         ("prompt / shared prefix", f"{input_len} / {prefix_len} tokens"),
+        ("prompts between the two", str(working_set)),
         ("TTFT, caching on", runs_text(result["ttft_cached_ms"], "ms")),
         ("TTFT, caching off", runs_text(result["ttft_uncached_ms"], "ms")),
         ("speedup", f"{result['speedup']}x ({result['num_cached_tokens']} tokens cached)"),

@@ -296,3 +296,17 @@ def test_bench_reports_spec_figures_from_the_engine(tmp_path, llama_dir, monkeyp
     assert table["acceptance by position"] == "0: 90.0%, 1: 60.0%, 2: 30.0%"
     assert table["acceptance rate"] == "60.0%"
     assert table["speculative decoding"] == "off"  # the engine's own config
+
+
+@pytest.mark.parametrize("offloading", [False, True])
+def test_prefix_revisited_after_a_working_set(tmp_path, llama_dir, offloading):
+    """--working-set runs other prompts between the two: a KV cache smaller than them has
+    evicted the prefix by the revisit, unless the KV offloading tier brings it back."""
+    report = _bench(
+        tmp_path, "prefix", "--model", str(llama_dir), "--input-len", "40",
+        "--prefix-len", "32", "--warmup", "0", "--repeats", "1", "--working-set", "4",
+        "--max-model-len", "64", "--kv-cache-memory", "64KiB",
+        *(["--kv-offloading-size", "0.01"] if offloading else []),
+    )
+    assert report["settings"]["working_set"] == 4
+    assert report["results"]["num_cached_tokens"] == (32 if offloading else 0)
