@@ -35,6 +35,7 @@ from engine.model_executor.layers.linear import LinearBase, ParamLayout
 logger = logging.getLogger(__name__)
 
 HostAdapter = dict[str, dict[Any, ShardWeights]]  # layer name -> shard id -> matrices
+WHOLE_LAYER = object()  # a module adapting every shard of a fused layer at once
 _B_LAYOUT = ParamLayout(output_dim=0, input_dim=None)  # lora_B [out, r]: cut like outputs
 _A_LAYOUT = ParamLayout(output_dim=None, input_dim=1)  # lora_A [r, in]: cut like inputs
 
@@ -189,11 +190,30 @@ class LoRAManager:
         host: HostAdapter = {}
         for module in adapter.modules.values():
             name, shard_id = self._target(module.name, where)
+            layer = self.layers[name]
             shards = host.setdefault(name, {})
-            if shard_id in shards:
-                raise ValueError(f"{where}: two modules adapt shard {shard_id!r} of {name}")
-            shards[shard_id] = self._rank_shard(self.layers[name], module, shard_id, where)
+            parts = (self._split_fused(layer, module, where) if shard_id is WHOLE_LAYER
+                     else [(shard_id, module)])
+            for part_id, part in parts:
+                if part_id in shards:
+                    raise ValueError(f"{where}: two modules adapt shard {part_id!r} of {name}")
+                shards[part_id] = self._rank_shard(layer, part, part_id, where)
         return host
+
+    def _split_fused(self, layer: LinearBase, module: AdapterModule, where: str
+                     ) -> list[tuple[Any, AdapterModule]]:
+        """A module adapting a fused layer whole (a checkpoint that fuses q/k/v or
+        gate/up itself, e.g. Phi-3's ``qkv_proj``): every shard gets the same A and its
+        rows of B (the full model's rows, in the layer's shard order)."""
+        full = [layer.lora.shard_size(s) * layer.output_parts.get(s, (0, 1))[1]
+                for s in layer.lora.shard_ids]
+        if module.lora_b.shape[0] != sum(full):
+            raise ValueError(f"{where}: module {module.name!r} has {module.lora_b.shape[0]} "
+                             f"output rows, the model's fused layer {sum(full)} (adapter "
+                             "made for another base model?)")
+        rows = module.lora_b.split(full, dim=0)
+        return [(shard, AdapterModule(module.name, module.lora_a, b, module.scaling))
+                for shard, b in zip(layer.lora.shard_ids, rows)]
 
     def _target(self, module: str, where: str) -> tuple[str, Any]:
         """The model layer (and fused shard) an adapter module adapts."""
@@ -211,6 +231,8 @@ class LoRAManager:
                     break
         name = param_name.removesuffix(".weight")
         layer = self.layers.get(name)
+        if layer is not None and len(layer.shard_sizes) > 1 and shard_id is None:
+            return name, WHOLE_LAYER
         if layer is None or (len(layer.shard_sizes) > 1) != (shard_id is not None):
             raise ValueError(f"{where} adapts {module!r}, which is not a linear layer of "
                              "this model that LoRA can serve (adapter made for another "
