@@ -371,13 +371,19 @@ class TransformersForCausalLM(nn.Module):
                 continue
             yield name, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_name_mapper(self) -> Any:
+        """Checkpoint names -> ``(parameter, shard)`` where the module tree fuses what the
+        checkpoint keeps apart (MLP gate / up, experts); also how LoRA adapters of those
+        modules find their layer and shard (engine.lora.manager)."""
         from engine.model_executor.models.transformers_backend.mlp import fused_mlp_name_mapper
         from engine.model_executor.models.transformers_backend.moe import expert_name_mapper
 
-        self._param_names = {n for n, _ in self.named_parameters()}
         experts, mlps = expert_name_mapper(self), fused_mlp_name_mapper(self)
-        self._name_mapper = lambda name: experts(name) or mlps(name)
+        return lambda name: experts(name) or mlps(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self._param_names = {n for n, _ in self.named_parameters()}
+        self._name_mapper = self.load_name_mapper()
         return load_named_weights(self, self._checkpoint_names(weights),
                                   name_mapper=self._name_mapper)
 
