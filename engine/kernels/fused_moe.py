@@ -46,7 +46,7 @@ say why it cannot run); calling :func:`fused_moe` does, and says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -63,6 +63,7 @@ from engine.kernels.triton_utils import (
     check_dtype,
     interpreting,
     next_power_of_2,
+    optional_jit,
     require_triton,
 )
 
@@ -72,9 +73,6 @@ try:
 except ImportError:  # importable without triton; the kernels below are then never launched
     triton = None
     tl = None
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 _INTERPRETED = interpreting()  # triton.jit below decides the same way, at import time
 GPU_DEVICE_TYPES = ("cuda", "xpu")  # torch's ROCm build also says "cuda"
@@ -95,10 +93,6 @@ UNGATED_ACTIVATIONS: dict[str, str] = {
     "gelu": "gelu",
 }
 
-
-def _jit(fn: Callable) -> Callable:
-    """``triton.jit`` when triton is installed; otherwise the plain (never launched) function."""
-    return triton.jit(fn) if triton is not None else fn
 
 
 # --------------------------------------------------------------------------- alignment
@@ -181,7 +175,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 # --------------------------------------------------------------------------- kernels
 
 
-@_jit
+@optional_jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, H] (A_ROWS_PER_PAIR = top_k) or [T * k, I] (= 1)
     b_ptr,  # [E, N, K]: the experts' weights; each block computes a @ b[e].T
@@ -247,14 +241,14 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@_jit
+@optional_jit
 def _sigmoid(x):
     """Overflow-free logistic: exp of a non-positive argument only."""
     e = tl.exp(-tl.abs(x))
     return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-@_jit
+@optional_jit
 def _gated_activation_kernel(
     gate_up_ptr,  # [T * k, 2I]: gate columns, then up columns ([T * k, I]: not GATED)
     out_ptr,  # [T * k, I]
@@ -317,7 +311,7 @@ def _gated_activation_kernel(
     tl.store(out, gated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+@optional_jit
 def _moe_sum_kernel(
     partial_ptr,  # [T * k, H]: weighted expert outputs by pair id
     expert_of_pair_ptr,  # [T * k]

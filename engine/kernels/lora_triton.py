@@ -33,7 +33,7 @@ Importing this module needs no triton; launching does.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -44,6 +44,7 @@ from engine.kernels.triton_utils import (
     check_device,
     interpreting,
     next_power_of_2,
+    optional_jit,
 )
 
 try:
@@ -53,16 +54,10 @@ except ImportError:  # importable without triton; the kernels below are then nev
     triton = None
     tl = None
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 _INTERPRETED = interpreting()
 GPU_DEVICE_TYPES = ("cuda", "xpu")  # torch's ROCm build also says "cuda"
 MAX_SHARDS = 8  # shard bounds one expand launch takes as scalars
 
-
-def _jit(fn: Callable) -> Callable:
-    return triton.jit(fn) if triton is not None else fn
 
 
 class SlotGroups(NamedTuple):
@@ -84,7 +79,17 @@ def group_by_slot(token_slots: torch.Tensor, num_slots: int) -> SlotGroups:
     return SlotGroups(order.to(torch.int32), start.to(torch.int32), count.to(torch.int32))
 
 
-@_jit
+@optional_jit
+def _bucket_tile(order_ptr, start_ptr, slot, m_tile, count, BLOCK_M: tl.constexpr):
+    """Tile ``m_tile`` of bucket ``slot``: its token ids (int64) and which are real."""
+    first = tl.load(start_ptr + slot)
+    pos = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = pos < count
+    token = tl.load(order_ptr + first + pos, mask=row_valid, other=0).to(tl.int64)
+    return token, row_valid
+
+
+@optional_jit
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, order_ptr, start_ptr, count_ptr,
     K, IN, NUM_SLOTS,
@@ -99,10 +104,7 @@ def _shrink_kernel(
     count = tl.load(count_ptr + slot)
     if m_tile * BLOCK_M >= count:
         return
-    first = tl.load(start_ptr + slot)
-    pos = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = pos < count
-    token = tl.load(order_ptr + first + pos, mask=row_valid, other=0).to(tl.int64)
+    token, row_valid = _bucket_tile(order_ptr, start_ptr, slot, m_tile, count, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < K
     out_ptrs = out_ptr + token[:, None] * stride_om + cols[None, :] * stride_ok
@@ -124,7 +126,7 @@ def _shrink_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
-@_jit
+@optional_jit
 def _expand_kernel(
     s_ptr, b_ptr, y_ptr, order_ptr, start_ptr, count_ptr,
     N, RANK, K, NUM_SLOTS, COL0, SHARD0,
@@ -141,10 +143,7 @@ def _expand_kernel(
     count = tl.where(slot < NUM_SLOTS, tl.load(count_ptr + slot), 0)
     if m_tile * BLOCK_M >= count:
         return
-    first = tl.load(start_ptr + slot)
-    pos = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = pos < count
-    token = tl.load(order_ptr + first + pos, mask=row_valid, other=0).to(tl.int64)
+    token, row_valid = _bucket_tile(order_ptr, start_ptr, slot, m_tile, count, BLOCK_M)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < N
     shard = tl.zeros([BLOCK_N], dtype=tl.int32)  # each column's shard in this launch

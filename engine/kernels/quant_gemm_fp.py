@@ -96,6 +96,7 @@ from engine.kernels.triton_utils import (
     compute_units,
     interpreting,
     next_power_of_2,
+    optional_jit,
 )
 
 try:
@@ -106,8 +107,6 @@ except ImportError:  # importable without triton; the kernels below are then nev
     tl = None
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from torch import nn
 
 _INTERPRETED = interpreting()  # triton.jit below decides the same way, at import time
@@ -126,15 +125,11 @@ DOT_INT8, DOT_FP8, DOT_BF16, DOT_FP16, DOT_FP32 = 0, 1, 2, 3, 4
 _DOT_OF_DTYPE = {torch.bfloat16: DOT_BF16, torch.float16: DOT_FP16, torch.float32: DOT_FP32}
 
 
-def _jit(fn: Callable) -> Callable:
-    """``triton.jit`` when triton is installed; otherwise the plain (never launched) function."""
-    return triton.jit(fn) if triton is not None else fn
-
 
 # --------------------------------------------------------------------------- numerics
 
 
-@_jit
+@optional_jit
 def _rne_int(v):
     """v rounded to an integer, ties to even (exact for |v| < 2^22; no magic-number
     addition a compiler could fold)."""
@@ -144,7 +139,7 @@ def _rne_int(v):
     return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
-@_jit
+@optional_jit
 def _round_e4m3(t):
     """The nearest e4m3 value of float32 ``t`` (|t| <= 448), ties to even: the float32
     mantissa rounded to 3 bits, or (below 2^-6) to a multiple of 2^-9."""
@@ -154,7 +149,7 @@ def _round_e4m3(t):
     return tl.where((bits & 0x7FFFFFFF) < 0x3C800000, sub, normal)
 
 
-@_jit
+@optional_jit
 def _round_e2m1(t):
     """compressed-tensors' e2m1 rounding (its comparisons decide the ties)."""
     mag = tl.abs(t)
@@ -168,7 +163,7 @@ def _round_e2m1(t):
     return tl.where(t < 0.0, -out, out)
 
 
-@_jit
+@optional_jit
 def _e4m3_bits(r):
     """The e4m3fn byte (in a uint32) of ``r``, an exact e4m3 value; zero is never -0."""
     bits = r.to(tl.uint32, bitcast=True)
@@ -179,7 +174,7 @@ def _e4m3_bits(r):
     return tl.where(code == 0, code, code | ((bits >> 24) & 0x80))
 
 
-@_jit
+@optional_jit
 def _e4m3_value(code):
     """float32 value of e4m3fn bytes (no NaN codes expected), in integer arithmetic."""
     c = code.to(tl.uint32)
@@ -192,7 +187,7 @@ def _e4m3_value(code):
     return tl.where(e == 0, sub, normal)
 
 
-@_jit
+@optional_jit
 def _e2m1_value(nibble):
     """float32 value of e2m1 codes 0..15 (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
     e = (nibble >> 1) & 3
@@ -204,7 +199,7 @@ def _e2m1_value(nibble):
     return tl.where(e == 0, sub, normal)
 
 
-@_jit
+@optional_jit
 def _bf16_rne(x):
     """float32 -> bf16 rounded to nearest even in integer arithmetic (the GPUs' cvt does
     the same; Triton's interpreter truncates, so it must not decide)."""
@@ -213,7 +208,7 @@ def _bf16_rne(x):
     return r.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@_jit
+@optional_jit
 def _quant_value(t, ENC: tl.constexpr):
     if ENC == 0:
         return _rne_int(tl.minimum(tl.maximum(t, -128.0), 127.0))
@@ -223,7 +218,7 @@ def _quant_value(t, ENC: tl.constexpr):
         return _round_e2m1(tl.minimum(tl.maximum(t, -6.0), 6.0))
 
 
-@_jit
+@optional_jit
 def _dynamic_scale(top, gs, ENC: tl.constexpr, HALF_RANGE: tl.constexpr, EPS: tl.constexpr):
     """max|x| / half range; nvfp4: times the global scale, rounded to e4m3 (0 -> 0.125),
     divided by it again; int8 / fp8: 0 -> float32 epsilon."""
@@ -237,7 +232,7 @@ def _dynamic_scale(top, gs, ENC: tl.constexpr, HALF_RANGE: tl.constexpr, EPS: tl
     return scale
 
 
-@_jit
+@optional_jit
 def _store_quantized(ptrs, q, scale, mask, ENC: tl.constexpr, QDQ: tl.constexpr,
                      OUT_BF16: tl.constexpr):
     if QDQ:
@@ -252,7 +247,7 @@ def _store_quantized(ptrs, q, scale, mask, ENC: tl.constexpr, QDQ: tl.constexpr,
         tl.store(ptrs, _e4m3_bits(q).to(tl.uint8), mask=mask)
 
 
-@_jit
+@optional_jit
 def _row_absmax_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
@@ -264,7 +259,7 @@ def _row_absmax_kernel(x_ptr, out_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
     tl.store(out_ptr + row, tl.max(top, axis=0))
 
 
-@_jit
+@optional_jit
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, scale_ptr, rowmax_ptr,
     M, K, stride_xm, stride_qm, stride_sm,
@@ -330,7 +325,7 @@ def _act_quant_kernel(
 # --------------------------------------------------------------------------- the GEMM
 
 
-@_jit
+@optional_jit
 def _as_dot_dtype(v, DOT: tl.constexpr):
     if DOT == 2:
         return v.to(tl.bfloat16)
@@ -340,7 +335,7 @@ def _as_dot_dtype(v, DOT: tl.constexpr):
         return v.to(tl.float32)
 
 
-@_jit
+@optional_jit
 def _operand(v, KIND: tl.constexpr, DOT: tl.constexpr, FP8_NATIVE: tl.constexpr,
              FP8_TYPE: tl.constexpr):
     """A loaded tile as the dot's operand type."""
@@ -362,7 +357,7 @@ def _operand(v, KIND: tl.constexpr, DOT: tl.constexpr, FP8_NATIVE: tl.constexpr,
             return _as_dot_dtype(_e4m3_value(v), DOT)
 
 
-@_jit
+@optional_jit
 def _dot(a, b, DOT: tl.constexpr):
     if DOT == 0:
         return tl.dot(a, b, out_dtype=tl.int32)
@@ -372,7 +367,7 @@ def _dot(a, b, DOT: tl.constexpr):
         return tl.dot(a, b)
 
 
-@_jit
+@optional_jit
 def _nvfp4_weights(packed, gscale, DOT: tl.constexpr):
     """bf16(e2m1 * scale) of packed nibbles, as the dot's operand type."""
     w = _bf16_rne(_e2m1_value(packed) * gscale)
@@ -382,7 +377,7 @@ def _nvfp4_weights(packed, gscale, DOT: tl.constexpr):
         return _as_dot_dtype(w.to(tl.float32), DOT)
 
 
-@_jit
+@optional_jit
 def _qgemm_kernel(
     a_ptr, b_ptr, bs_ptr, as_ptr, bias_ptr, out_ptr,
     M, N, K,

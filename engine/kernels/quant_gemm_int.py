@@ -87,6 +87,7 @@ from engine.kernels.triton_utils import (
     check_device,
     compute_units,
     interpreting,
+    optional_jit,
     require_triton,
 )
 
@@ -98,8 +99,6 @@ except ImportError:  # importable without triton; the kernels below are then nev
     tl = None
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from torch import nn
 
     from engine.core.interfaces import DeviceCapability
@@ -110,10 +109,6 @@ SPLIT_K_MAX_M = 16  # rows up to which the decode configs (and split-K) apply
 MAX_SPLIT_K = 16
 ORDER_ENV = "ENGINE_TRITON_INT_GEMM"  # auto (Marlin-style first) | plain (plain first)
 
-
-def _jit(fn: Callable) -> Callable:
-    """``triton.jit`` when triton is installed; otherwise the plain (never launched) function."""
-    return triton.jit(fn) if triton is not None else fn
 
 
 @dataclass
@@ -264,7 +259,7 @@ def pack_int_weight(weights: QuantizedWeights, tiled: bool = False) -> PackedInt
 # --------------------------------------------------------------------------- kernels
 
 
-@_jit
+@optional_jit
 def _unpack_tile(words, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """``[BLOCK_K / PACK, BLOCK_N]`` int32 words -> ``[BLOCK_K, BLOCK_N]`` codes, row
@@ -275,7 +270,7 @@ def _unpack_tile(words, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.cons
     return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
-@_jit
+@optional_jit
 def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(m tile, n tile) of this program: GROUP_M m tiles sweep the n tiles together, so a
     weight tile is reused from L2 by the rows that need it (prefill)."""
@@ -290,7 +285,7 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
     return pid_m, pid_n
 
 
-@_jit
+@optional_jit
 def _store_tile(acc, out_ptr, bias_ptr, rm, rn, M, N, pid_k, stride_os, stride_om,
                 stride_on, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr):
     """The float32 partial of split ``pid_k`` (SPLIT_OUT), or the finished tile."""
@@ -304,7 +299,7 @@ def _store_tile(acc, out_ptr, bias_ptr, rm, rn, M, N, pid_k, stride_os, stride_o
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit
+@optional_jit
 def _int_gemm_kernel(
     x_ptr,  # [M, K] activations (columns already in act-order)
     w_ptr,  # int32 [K / PACK, N]: codes packed along K
@@ -387,7 +382,7 @@ def _int_gemm_kernel(
                 HAS_BIAS, SPLIT_OUT)
 
 
-@_jit
+@optional_jit
 def _marlin_gemm_kernel(
     x_ptr,  # [M, K] activations (columns already in act-order)
     w_ptr,  # int32 [N / TILE_N, K / PACK, TILE_N]: one contiguous block per stripe
@@ -461,7 +456,7 @@ def _marlin_gemm_kernel(
                 HAS_BIAS, SPLIT_OUT)
 
 
-@_jit
+@optional_jit
 def _split_k_reduce_kernel(
     part_ptr,  # float32 [split_k, M, N]
     bias_ptr,

@@ -21,6 +21,16 @@ def require_triton() -> None:
         raise ImportError(TRITON_MISSING_MESSAGE) from exc
 
 
+def optional_jit(fn):
+    """``triton.jit(fn)`` when triton is installed; otherwise ``fn`` itself, never launched
+    (so a kernel module imports without triton and refuses only when used)."""
+    try:
+        import triton
+    except ImportError:
+        return fn
+    return triton.jit(fn)
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (read at kernel import)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

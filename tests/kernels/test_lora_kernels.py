@@ -9,24 +9,10 @@ import torch
 
 from engine.kernels.lora_torch import TorchLoRAKernel
 from engine.kernels.lora_triton import MAX_SHARDS, TritonLoRAKernel, group_by_slot
+from tests.helpers.lora_kernel_reference import lora_reference
 
 SHARDS = {"one shard": (0, 61), "three unequal shards": (0, 20, 23, 61)}
 RANK, IN, NUM_SLOTS = 8, 77, 5
-
-
-def reference(x, lora_a, lora_b, slots, bounds, y):
-    """float64 ``(s, y + delta)`` of shrink then expand, one token at a time."""
-    s = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float64)
-    y = y.double().clone()
-    rank = lora_b.shape[1]
-    for t, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        s[t] = lora_a[slot].double() @ x[t].double()
-        for j in range(len(bounds) - 1):
-            lo, hi = bounds[j], bounds[j + 1]
-            y[t, lo:hi] += s[t, j * rank:(j + 1) * rank] @ lora_b[slot, :, lo:hi].double()
-    return s, y
 
 
 def token_slots(pattern: str, t: int, gen: torch.Generator) -> torch.Tensor:
@@ -66,7 +52,7 @@ def check_kernel(kernel, t, bounds, dtype, pattern):
     x, lora_a, lora_b, slots, wide = make_case(t, bounds, dtype, pattern)
     y = wide.narrow(1, 3, bounds[-1])
     before = wide.clone()
-    s_ref, y_ref = reference(x, lora_a, lora_b, slots, bounds, y)
+    s_ref, y_ref = lora_reference(x, lora_a, lora_b, slots, bounds, y)
     out = torch.full((t, lora_a.shape[1]), float("nan"))
     kernel.shrink(x, lora_a, slots, out)
     torch.testing.assert_close(out.double(), s_ref, rtol=1e-5, atol=1e-5)
@@ -111,7 +97,7 @@ def test_triton_kernel_takes_more_shards_than_one_launch():
     lora_b = torch.randn(2, RANK, big_n, generator=gen) * 0.2
     slots = torch.tensor([1, -1, 0, 1, 1], dtype=torch.int32)
     y = torch.randn(t, big_n, generator=gen)
-    s_ref, y_ref = reference(x, lora_a, lora_b, slots, bounds, y)
+    s_ref, y_ref = lora_reference(x, lora_a, lora_b, slots, bounds, y)
     out = torch.empty(t, shards * RANK)
     kernel = TritonLoRAKernel()
     kernel.shrink(x, lora_a, slots, out)

@@ -10,6 +10,7 @@ import torch
 from engine.plugins.cpu.graphs import CPUGraphCapturer
 from engine.plugins.cpu.lora import CPULoRAKernel
 from engine.plugins.cpu.platform import CPUPlatform
+from tests.helpers.lora_kernel_reference import lora_reference
 
 NUM_SLOTS = 5
 # (tokens, in, rank, shard bounds): tails of every vector / tile size; the last one runs
@@ -19,21 +20,6 @@ SHAPES = {
     "tails, three unequal shards": (40, 77, 5, (0, 20, 23, 61)),
     "parallel tiles": (150, 300, 16, (0, 128, 160, 290)),
 }
-
-
-def reference(x, lora_a, lora_b, slots, bounds, y):
-    """float64 ``(s, y + delta)`` of shrink then expand, one token at a time."""
-    s = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float64)
-    y = y.double().clone()
-    rank = lora_b.shape[1]
-    for t, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        s[t] = lora_a[slot].double() @ x[t].double()
-        for j in range(len(bounds) - 1):
-            lo, hi = bounds[j], bounds[j + 1]
-            y[t, lo:hi] += s[t, j * rank:(j + 1) * rank] @ lora_b[slot, :, lo:hi].double()
-    return s, y
 
 
 def make_case(t, n_in, rank, bounds, dtype, pattern, seed=0):
@@ -65,7 +51,7 @@ def test_matches_the_reference(kernels, dtype, shape, pattern):
     x, lora_a, lora_b, slots, wide = make_case(t, n_in, rank, bounds, dtype, pattern)
     y = wide.narrow(1, 2, bounds[-1])  # a fused layer's column slice: strided rows
     before = wide.clone()
-    s_ref, y_ref = reference(x, lora_a, lora_b, slots, bounds, y)
+    s_ref, y_ref = lora_reference(x, lora_a, lora_b, slots, bounds, y)
     kernel = CPULoRAKernel(kernels)
     out = torch.full((t, lora_a.shape[1]), float("nan"))
     kernel.shrink(x, lora_a, slots, out)
@@ -124,7 +110,7 @@ def test_a_replayed_graph_reads_the_slots_and_inputs_of_each_step(kernels, dtype
         got = graph.replay()
         assert torch.equal(got, s_eager)
         assert torch.equal(y, y_eager)
-        s_ref, _ = reference(x, lora_a, lora_b, slots, bounds, y_eager)
+        s_ref, _ = lora_reference(x, lora_a, lora_b, slots, bounds, y_eager)
         torch.testing.assert_close(got.double(), s_ref, rtol=1e-5, atol=1e-5)
 
 
