@@ -26,6 +26,7 @@ from engine.kernels.fused_moe import (
     max_padded_rows,
     moe_align,
 )
+from tests.helpers.moe_reference import routed_reference
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 SMALL_TILES = FusedMoEConfig(block_m=16, block_n=16, block_k=16)
@@ -40,18 +41,13 @@ REFERENCE_ACTIVATIONS = {
 def reference_moe(hidden, w13, w2, topk_weights, topk_ids, activation="silu") -> torch.Tensor:
     """Token by token, choice by choice, in float64."""
     act = REFERENCE_ACTIVATIONS[activation]
-    x, w13, w2 = hidden.double(), w13.double(), w2.double()
+    w13, w2 = w13.double(), w2.double()
     inter = w2.shape[2]
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, j])
-            if e < 0:
-                continue
-            gate = w13[e, :inter] @ x[t]
-            up = w13[e, inter:] @ x[t]
-            out[t] += float(topk_weights[t, j]) * (w2[e] @ (act(gate) * up))
-    return out
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        return w2[e] @ (act(w13[e, :inter] @ x) * (w13[e, inter:] @ x))
+
+    return routed_reference(hidden, topk_weights, topk_ids, expert)
 
 
 def make_inputs(num_tokens, hidden_size, inter, num_experts, top_k, dtype, seed):

@@ -18,6 +18,7 @@ from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
 from engine.kernels.fused_moe import FusedMoEConfig, TritonFusedMoEKernel, fused_moe
 from engine.model_executor.layers.fused_moe import select_moe_kernel
 from engine.plugins.cpu.fused_moe import CPUFusedMoE
+from tests.helpers.moe_reference import routed_reference
 
 ALPHA, LIMIT = 1.702, 7.0  # transformers' GptOssConfig defaults
 
@@ -25,29 +26,23 @@ ALPHA, LIMIT = 1.702, 7.0  # transformers' GptOssConfig defaults
 def reference(hidden, w13, w2, b13, b2, weights, ids, activation):
     """``w13`` gate rows then up rows; the activation as GptOssExperts._apply_gate (or
     silu(gate) * up)."""
-    x = hidden.double()
     inter = w2.shape[2]
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            gate_up = w13[e].double() @ x[t]
-            if b13 is not None:
-                gate_up = gate_up + b13[e].double()
-            gate, up = gate_up[:inter], gate_up[inter:]
-            if activation == "swigluoai":
-                gate = gate.clamp(max=LIMIT)
-                up = up.clamp(min=-LIMIT, max=LIMIT)
-                h = (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
-            else:
-                h = torch.nn.functional.silu(gate) * up
-            y = w2[e].double() @ h
-            if b2 is not None:
-                y = y + b2[e].double()
-            out[t] += float(weights[t, j]) * y
-    return out
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = w13[e].double() @ x
+        if b13 is not None:
+            gate_up = gate_up + b13[e].double()
+        gate, up = gate_up[:inter], gate_up[inter:]
+        if activation == "swigluoai":
+            gate = gate.clamp(max=LIMIT)
+            up = up.clamp(min=-LIMIT, max=LIMIT)
+            h = (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
+        else:
+            h = torch.nn.functional.silu(gate) * up
+        y = w2[e].double() @ h
+        return y if b2 is None else y + b2[e].double()
+
+    return routed_reference(hidden, weights, ids, expert)
 
 
 def inputs(tokens=7, hidden=24, inter=20, experts=5, top_k=2, seed=0, dtype=torch.float32):

@@ -22,6 +22,7 @@ from engine.core.interfaces.moe import FusedMoEKernel, MoELayerSpec
 from engine.kernels.fused_moe import FusedMoEConfig, TritonFusedMoEKernel, fused_moe
 from engine.model_executor.layers.fused_moe import FusedMoE, RouterConfig, select_moe_kernel
 from engine.plugins.cpu.fused_moe import CPUFusedMoE
+from tests.helpers.moe_reference import routed_reference
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 SMALL_TILES = FusedMoEConfig(block_m=16, block_n=16, block_k=16)
@@ -32,21 +33,15 @@ REFERENCE_ACTIVATIONS = {"relu2": lambda x: torch.relu(x).square(), "silu": F.si
 def reference(hidden, w13, w2, weights, ids, activation="relu2", b13=None, b2=None):
     """``out[t] = sum_j weights[t, j] * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e])``."""
     act = REFERENCE_ACTIVATIONS[activation]
-    x = hidden.double()
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if e < 0:
-                continue
-            up = w13[e].double() @ x[t]
-            if b13 is not None:
-                up = up + b13[e].double()
-            y = w2[e].double() @ act(up)
-            if b2 is not None:
-                y = y + b2[e].double()
-            out[t] += float(weights[t, j]) * y
-    return out
+
+    def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        up = w13[e].double() @ x
+        if b13 is not None:
+            up = up + b13[e].double()
+        y = w2[e].double() @ act(up)
+        return y if b2 is None else y + b2[e].double()
+
+    return routed_reference(hidden, weights, ids, expert)
 
 
 def make_inputs(tokens=7, hidden=40, inter=24, experts=6, top_k=2, seed=0,
