@@ -32,6 +32,15 @@ def _accelerator_invariant_norm(x: torch.Tensor, weight: torch.Tensor, eps: floa
     return batch_invariant.rms_norm(rows, weight, eps, gemma=gemma).view(x.shape)
 
 
+def residual_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's first norm: ``(norm(hidden + residual), hidden + residual)``; the
+    first layer (``residual`` None) starts the residual stream with ``hidden`` itself."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class RMSNorm(nn.Module):
     def __init__(
         self,

@@ -31,7 +31,7 @@ from engine.model_executor.layers.mamba2 import (
     Part,
     StackedColumnLinear,
 )
-from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.norm import RMSNorm, residual_norm
 from engine.model_executor.layers.rotary import RopeInputs, rotary_for_config
 from engine.model_executor.models.bamba import bamba_mamba_dims
 from engine.model_executor.models.interface import ModelInitContext
@@ -146,10 +146,8 @@ class FalconH1DecoderLayer(nn.Module):
     def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: the embeddings themselves
-            residual = hidden * self.embedding_multiplier
-            hidden = self.input_layernorm(residual)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden = hidden * self.embedding_multiplier
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         mixed = (self.mamba(hidden * self.ssm_in) * self.ssm_out
                  + self.self_attn(rope, hidden * self.attn_in) * self.attn_out)
         hidden, residual = self.pre_ff_layernorm(mixed, residual)

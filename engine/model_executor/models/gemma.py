@@ -35,7 +35,7 @@ from torch import nn
 from engine.model_executor.layers.activation import get_act_and_mul
 from engine.model_executor.layers.embedding import VocabEmbedding
 from engine.model_executor.layers.linear import MergedLinear, RowParallelLinear
-from engine.model_executor.layers.norm import GemmaRMSNorm
+from engine.model_executor.layers.norm import GemmaRMSNorm, residual_norm
 from engine.model_executor.layers.rotary import (
     RopeInputs,
     RopeScaling,
@@ -179,11 +179,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(rope, hidden)
         if self.sandwich:
             hidden = self.post_attention_layernorm(hidden)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.norm import RMSNorm, residual_norm
 from engine.model_executor.layers.rotary import RopeInputs, RotaryEmbedding
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llama import (
@@ -40,11 +40,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
     def forward(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(rope, hidden))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(getattr(self, self.mlp_name)(hidden)), residual

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.model_executor.layers.norm import residual_norm
 from engine.model_executor.layers.rotary import RopeInputs, RotaryEmbedding
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llama import (
@@ -35,13 +36,9 @@ class GraniteMultipliers:
     def forward(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            if self.embedding_multiplier is not None:
-                hidden = hidden * self.embedding_multiplier
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        if residual is None and self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         hidden = self.mix(rope, hidden) * self.residual_multiplier
         hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
         return getattr(self, self.mlp_name)(hidden) * self.residual_multiplier, residual

@@ -29,7 +29,7 @@ from engine.model_executor.layers.activation import get_act_and_mul
 from engine.model_executor.layers.attention import Attention
 from engine.model_executor.layers.embedding import LMHead, VocabEmbedding
 from engine.model_executor.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
-from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.norm import RMSNorm, residual_norm
 from engine.model_executor.layers.rotary import (
     RopeInputs,
     RotaryEmbedding,
@@ -214,11 +214,7 @@ class PreNormDecoderLayer(nn.Module):
     def forward(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = residual_norm(self.input_layernorm, hidden, residual)
         hidden = self.mix(rope, hidden)
         hidden, residual = getattr(self, self.post_norm_name)(hidden, residual)
         return getattr(self, self.mlp_name)(hidden), residual

@@ -36,7 +36,7 @@ from engine.model_executor.layers.mamba2 import (
     dt_limit_of,
     ssm_cache_dtype,
 )
-from engine.model_executor.layers.norm import RMSNorm
+from engine.model_executor.layers.norm import RMSNorm, residual_norm
 from engine.model_executor.layers.rotary import RopeInputs
 from engine.model_executor.lazy_tensor import materialize
 from engine.model_executor.models.granitemoehybrid import NoRotary
@@ -185,11 +185,7 @@ class NemotronHBlock(nn.Module):
 
     def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.norm(hidden)
-        else:
-            hidden, residual = self.norm(hidden, residual)
+        hidden, residual = residual_norm(self.norm, hidden, residual)
         out = self.mixer(rope, hidden) if self.kind == ATTENTION else self.mixer(hidden)
         return out, residual
 
