@@ -103,6 +103,7 @@ class EngineCore:
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
             lora_request=request.lora_request,
+            mm_features=request.mm_features or [],
         )
         structured = request.sampling_params.structured_outputs
         if structured is not None:

@@ -12,6 +12,7 @@ from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler.output import LogprobsLists, PooledData
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalFeature
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -30,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # the adapter the request runs under
+    # Its images / videos, processed (by prompt offset); None: text only.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

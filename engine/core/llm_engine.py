@@ -108,24 +108,43 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
     """Tokenizer-side setup shared by the sync and async front ends."""
     from engine.model_executor.model_loader import load_model_files
 
+    from engine.model_executor.models.transformers_backend.support import text_config
+
     files = load_model_files(config.model.model, hf_overrides=config.model.hf_overrides)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     eos_id, extra_eos = get_eos_token_ids(tokenizer, list(files.eos_token_ids) or None)
+    vocab_size = text_config(files.hf_config).vocab_size
     processor = Processor(
         tokenizer,
         max_model_len=config.scheduler.max_model_len,
         eos_token_id=eos_id,
         extra_eos_token_ids=extra_eos,
-        vocab_size=files.hf_config.vocab_size,
+        vocab_size=vocab_size,
     )
     processor.lora_enabled = config.lora is not None
+    processor.multimodal = build_multimodal_processor(config, files, tokenizer)
     if config.model.runner == "pooling":
         from engine.core.pooling_processor import PoolingModelInfo, PoolingProcessor
 
         info = PoolingModelInfo.of(config.model.pooler_config, files.hf_config, files.path)
         processor.pooling = PoolingProcessor(tokenizer, config.scheduler.max_model_len,
-                                             files.hf_config.vocab_size, info)
+                                             vocab_size, info)
     return processor, tokenizer
+
+
+def build_multimodal_processor(config: EngineConfig, files: Any, tokenizer: Any) -> Any:
+    """A vision-language model's image / video step for the front end (None: text)."""
+    from engine.multimodal.processing import is_multimodal_config, processor_for
+    from engine.multimodal.prompt import MultiModalInputProcessor
+
+    if not is_multimodal_config(files.hf_config):
+        return None
+    if tokenizer is None:
+        raise ValueError("a vision-language model needs its tokenizer (skip_tokenizer_init "
+                         "is not supported for it)")
+    mm_processor = processor_for(files.path, files.hf_config, tokenizer)
+    return MultiModalInputProcessor(mm_processor, tokenizer,
+                                    getattr(config.model, "limit_mm_per_prompt", None))
 
 
 def adopt_max_model_len(config: EngineConfig, processor: Processor, client: Any) -> int:

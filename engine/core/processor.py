@@ -76,6 +76,9 @@ class Processor:
         # run with runner "pooling"; None: the engine generates.
         self.pooling: Any = None
         self.lora_enabled = False  # requests may name a LoRA adapter (enable_lora)
+        # A vision-language model's image / video step
+        # (engine.multimodal.prompt.MultiModalInputProcessor); None: text only.
+        self.multimodal: Any = None
 
     # -- public ---------------------------------------------------------------------------
     def process(
@@ -112,8 +115,11 @@ class Processor:
                                  "enable_lora=True (--enable-lora)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        text, token_ids = self._parse_prompt(prompt, add_special_tokens)
+        text, token_ids, mm_features = self._parse_prompt(prompt, add_special_tokens)
         if params.truncate_prompt_tokens is not None:
+            if mm_features:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images or "
+                                 "videos (their tokens would be cut apart)")
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         self._validate_prompt(token_ids)
         self._validate_params(params)
@@ -130,6 +136,7 @@ class Processor:
                 cache_salt=cache_salt,
                 max_tokens=resolved.max_tokens,
                 lora_request=lora_request,
+                mm_features=mm_features or None,
             )
             for i in range(resolved.n)
         ]
@@ -160,9 +167,12 @@ class Processor:
     # -- prompt ---------------------------------------------------------------------------
     def _parse_prompt(
         self, prompt: PromptType, add_special_tokens: bool
-    ) -> tuple[str | None, list[int]]:
+    ) -> tuple[str | None, list[int], list[Any]]:
+        """(text, token ids, multimodal features) of a prompt."""
         if isinstance(prompt, Mapping):
             keys = set(prompt)
+            if "multi_modal_data" in keys:
+                return self._parse_multimodal(prompt, add_special_tokens)
             if keys == {"prompt"}:
                 prompt = prompt["prompt"]
                 if not isinstance(prompt, str):
@@ -178,20 +188,55 @@ class Processor:
             else:
                 raise ValueError(
                     "a dict prompt must have exactly one key, 'prompt' (text) or "
-                    f"'prompt_token_ids' (list of ints); got keys {sorted(map(str, keys))}"
+                    "'prompt_token_ids' (list of ints), plus 'multi_modal_data' for images / "
+                    "videos; got keys "
+                    f"{sorted(map(str, keys))}"
                 )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass prompt token ids instead")
             return prompt, list(
                 self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            )
+            ), []
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, _as_token_ids(prompt)
+            return None, _as_token_ids(prompt), []
         raise ValueError(
             "prompt must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids'; got {type(prompt).__name__}"
         )
+
+    def parse_text_prompt(self, prompt: PromptType, add_special_tokens: bool = True
+                          ) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt without images (beam search takes no images)."""
+        text, token_ids, mm_features = self._parse_prompt(prompt, add_special_tokens)
+        if mm_features:
+            raise ValueError("beam search does not take images or videos")
+        return text, token_ids
+
+    def _parse_multimodal(self, prompt: Mapping[str, Any], add_special_tokens: bool
+                          ) -> tuple[str | None, list[int], list[Any]]:
+        """vLLM's shape: ``{"prompt" or "prompt_token_ids": ..., "multi_modal_data":
+        {"image": ..., "video": ...}}``."""
+        keys = set(prompt) - {"multi_modal_data"}
+        if keys not in ({"prompt"}, {"prompt_token_ids"}):
+            raise ValueError("a prompt with multi_modal_data needs exactly one of 'prompt' "
+                             f"or 'prompt_token_ids' beside it; got keys {sorted(map(str, prompt))}")
+        if self.multimodal is None:
+            raise ValueError("this model takes text only: it accepts no multi_modal_data "
+                             "(images or videos)")
+        if self.tokenizer is None:
+            raise ValueError("multimodal prompts need the model's tokenizer")
+        if "prompt" in keys:
+            source = prompt["prompt"]
+            if not isinstance(source, str):
+                raise ValueError(f"prompt['prompt'] must be a string, got {type(source).__name__}")
+        else:
+            source = prompt["prompt_token_ids"]
+            if isinstance(source, str) or not isinstance(source, (list, tuple, np.ndarray)):
+                raise ValueError("prompt['prompt_token_ids'] must be a list of token ids")
+            source = _as_token_ids(source)
+        mm = self.multimodal.process(source, prompt["multi_modal_data"], add_special_tokens)
+        return mm.text, mm.token_ids, mm.features
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         n = len(token_ids)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +75,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base)
+    # Its images / videos (by prompt offset): their embeddings replace prompt tokens
+    # [offset, offset + length); the scheduler has each encoded when its tokens run.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -182,7 +182,7 @@ class AsyncLLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, not {type(params).__name__}")
         processor = self.processor
-        text, token_ids = processor._parse_prompt(prompt, add_special_tokens)
+        text, token_ids = processor.parse_text_prompt(prompt, add_special_tokens)
         processor._validate_prompt(token_ids)
         search = BeamSearchInstance(token_ids, params, eos_ids_of(processor),
                                     processor.max_model_len)

@@ -184,7 +184,7 @@ class LLM(PoolingAPI):
         eos_ids = eos_ids_of(processor)
         searches = []
         for prompt in as_prompt_list(prompts):
-            _, token_ids = processor._parse_prompt(prompt, add_special_tokens=True)
+            _, token_ids = processor.parse_text_prompt(prompt, add_special_tokens=True)
             processor._validate_prompt(token_ids)
             searches.append(
                 BeamSearchInstance(token_ids, params, eos_ids, processor.max_model_len))

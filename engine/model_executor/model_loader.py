@@ -31,6 +31,7 @@ from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.registry import MODEL_REGISTRY, ModelRegistry
+from engine.model_executor.models.transformers_backend.support import text_config
 from engine.model_executor.weight_utils import safetensors_weights_iterator
 
 logger = logging.getLogger(__name__)
@@ -242,7 +243,9 @@ def resolve_dtype(hf_config: Any, requested: str | torch.dtype = "auto") -> torc
 
 
 def derived_max_model_len(hf_config: Any) -> tuple[int, str]:
-    """The longest context the config allows and the key it came from."""
+    """The longest context the config allows and the key it came from (a
+    vision-language model's from its language model's config)."""
+    hf_config = text_config(hf_config)
     found = [
         (int(v), key)
         for key in _MAX_LEN_KEYS

@@ -202,6 +202,19 @@ class ModelRunner:
         self._has_moe = any(isinstance(m, FusedMoE) for m in model.modules())
         self._layer_hooks = (kv_connector if kv_connector is not None
                              and kv_connector.uses_layer_hooks else None)
+        # Vision-language models: encoder runs, the encoder cache, image rows merged
+        # into the step's embeddings, M-RoPE positions (None: a text model).
+        self.mm = None
+        if getattr(model, "supports_multimodal", False):
+            from engine.model_executor.multimodal_runner import MultiModalRunner
+
+            if proposer is not None:
+                raise ValueError("speculative decoding is not supported with "
+                                 "vision-language models")
+            if self.pp is not None:
+                raise ValueError("pipeline parallelism is not supported with "
+                                 "vision-language models")
+            self.mm = MultiModalRunner(model, self.device)
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
@@ -297,6 +310,8 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self._prompt_logprobs.pop(req_id, None)
+        if self.mm is not None and so.free_encoder_ids:
+            self.mm.free(so.free_encoder_ids)
         gone = so.finished_req_ids | so.preempted_req_ids
         for req_id in gone:
             self._drop(req_id)
@@ -321,6 +336,8 @@ class ModelRunner:
             )
             if new.lora_request is not None:
                 self.lora_manager.register(new.lora_request)
+            if self.mm is not None:
+                self.mm.add_request(new.req_id, new.mm_features, new.prompt_token_ids)
             params = new.sampling_params
             self.sampling_state.add_request(
                 row,
@@ -347,6 +364,8 @@ class ModelRunner:
             batch.append_token_lists(rows, cached.new_token_ids)
 
     def _drop(self, req_id: str) -> None:
+        if self.mm is not None:
+            self.mm.remove_request(req_id)
         row = self.input_batch.remove(req_id)
         if row is not None:
             self.sampling_state.remove_request(row)
@@ -369,6 +388,8 @@ class ModelRunner:
                 output.kv_connector_output = self._finish_kv_transfers(so)
             return output
         inputs = self._prepare_inputs(so)
+        if self.mm is not None and so.scheduled_encoder_inputs:
+            self.mm.encode(so.scheduled_encoder_inputs)
         hidden = self._forward(inputs)
         if not self.samples:  # an earlier pipeline stage: its activations went on
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -442,12 +463,23 @@ class ModelRunner:
         if self.lora_manager is not None:  # each token's adapter slot
             row_slots = self.lora_manager.slots_for(self.input_batch.lora_ids[step.rows])
             lora_slots = np.repeat(row_slots, step.num_scheduled)
+        mm_positions = None if self.mm is None else self.mm.positions(inputs.req_ids, step)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.covers(step):
-            hidden = graphs.forward(step, lora_slots=lora_slots)
+        if graphs is not None and graphs.covers(step) and (
+                mm_positions is None or mm_positions.ndim == 1):
+            graph_step = step if mm_positions is None else self.mm.with_positions(
+                step, mm_positions)
+            hidden = graphs.forward(graph_step, lora_slots=lora_slots)
             if hidden is not None:
                 return hidden
         metadata, input_ids, positions = self._eager_inputs(step)
+        if mm_positions is not None:
+            positions = self._upload(np.ascontiguousarray(mm_positions))
+        extra = {}
+        if self.mm is not None:
+            embeds = self.mm.inputs_embeds(inputs.req_ids, step, input_ids)
+            if embeds is not None:
+                extra["inputs_embeds"] = embeds
         if self.pp is None:
             layer_metadata = None if self._layer_groups is None else build_layer_metadata(
                 self.attn_backend, step, metadata, self._layer_groups, self._upload)
@@ -458,7 +490,7 @@ class ModelRunner:
                 ctx.state_metadata = self._state_metadata(step)
                 ctx.state_caches = self.state_caches
             with set_forward_context(ctx):
-                return self.model(input_ids, positions)
+                return self.model(input_ids, positions, **extra)
         return self._forward_stage(metadata, input_ids, positions)
 
     def _state_metadata(self, step: StepIndices) -> Any:

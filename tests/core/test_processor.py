@@ -61,6 +61,10 @@ def test_token_and_dict_prompts(proc, tok):
         ([], "The prompt is empty"),
         ([5, 420], r"token id 420, outside the vocabulary \[0, 420\)"),
         ([5, -1], "token id -1"),
+        ({"prompt": "hi", "multi_modal_data": {"image": []}}, "takes text only"),
+        ({"multi_modal_data": {}}, "exactly one of 'prompt' or 'prompt_token_ids'"),
+        ({"prompt": "hi", "prompt_token_ids": [1], "multi_modal_data": {}},
+         "exactly one of 'prompt' or 'prompt_token_ids'"),
     ],
 )
 def test_bad_prompts_raise_value_errors_naming_the_problem(proc, prompt, match):

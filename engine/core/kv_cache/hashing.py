@@ -6,7 +6,8 @@ strings in one canonical form, so the digest depends only on the values (never o
 Python's randomized ``hash()``), is stable across processes and runs, and chaining the
 parent makes a block's hash name its whole prefix. The first block's parent is a fixed
 root digest. Extra keys (the request's cache salt) go into every block, so requests with
-different salts never share a block.
+different salts never share a block. A block holding tokens of an image (video) adds
+the item's content hash, so the same placeholder tokens with another image never match.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     extra = request_extra_keys(request)
     tokens = request.all_token_ids
     parent = hashes[-1] if hashes else None
+    features = request.mm_features
     for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        start, end = i * block_size, (i + 1) * block_size
+        keys = extra
+        if features:  # the content of every image whose tokens the block holds
+            keys = extra + tuple(f.identifier for f in features
+                                 if f.offset < end and f.end > start)
+        parent = hash_block_tokens(parent, tokens[start:end], keys)
         hashes.append(parent)
     return hashes

@@ -16,6 +16,7 @@ import msgspec
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import MultiModalFeature
 
 
 class PooledData(msgspec.Struct, array_like=True, gc=False):
@@ -45,6 +46,8 @@ class NewRequestData:
     state_slot: int | None = None
     # The adapter the request runs under (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its images / videos (encoder inputs included); None: text only.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -83,6 +86,10 @@ class SchedulerOutput:
     # The KV connector's instructions for the worker side (its metadata_cls; None: no
     # connector).
     kv_connector_metadata: Any = None
+    # Images / videos the worker encodes this step: per request, indices into its
+    # mm_features; and encoder cache entries (identifiers) to drop before the step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -53,6 +53,7 @@ from engine.core.scheduler.output import (
     PooledData,
     SchedulerOutput,
 )
+from engine.core.scheduler.encoder_inputs import EncoderInputScheduler
 from engine.core.scheduler.policy import SchedulingPolicy
 from engine.core.scheduler.stats import SchedulerStats, SpecDecodingStats
 from engine.core.scheduler.stop import check_stop
@@ -78,6 +79,8 @@ class _Step:
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Multimodal requests: the items (indices into mm_features) each encodes this step.
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...],
                is_new: bool) -> None:
@@ -153,6 +156,10 @@ class Scheduler:
         if getattr(kv_connector, "on_block_evicted", None) is not None:
             self.kv_cache_manager.block_pool.on_evict = kv_connector.on_block_evicted
         self.max_loras = max_loras
+        # Images / videos: which step encodes each, and the worker's encoder cache. Any
+        # item fits both (a prompt is shorter than max_model_len).
+        encoder_rows = max(self.max_num_batched_tokens, self.max_model_len)
+        self.encoder_inputs = EncoderInputScheduler(encoder_rows, encoder_rows)
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_waiting_queue()
@@ -268,6 +275,7 @@ class Scheduler:
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(token_budget=self.max_num_batched_tokens, max_reqs=self._micro_batch_seats())
+        self.encoder_inputs.begin_step()
         self._schedule_running(step)
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
@@ -287,6 +295,10 @@ class Scheduler:
                 self._finish_ignored(request)
                 continue
             num_new = self._grant(request, request.num_computed_tokens, step.token_budget)
+            to_encode: list[int] = []
+            if request.mm_features and num_new > 0:
+                num_new, to_encode = self.encoder_inputs.plan(
+                    request, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -305,6 +317,9 @@ class Scheduler:
                 self._preempt(victim, step)
                 if victim is request:
                     return
+            if request.mm_features:
+                self._commit_encoder_inputs(step, request, request.num_computed_tokens,
+                                            num_new, to_encode)
             step.record(request, num_new, block_ids, is_new=False)
             i += 1
 
@@ -349,6 +364,9 @@ class Scheduler:
                     skipped.append(self.waiting.pop())  # waits for its KV
                     continue
             num_new = self._grant(request, num_hit, step.token_budget)
+            to_encode = []
+            if request.mm_features and num_new > 0:
+                num_new, to_encode = self.encoder_inputs.plan(request, num_hit, num_new)
             if num_new <= 0:
                 break
             if not self.enable_chunked_prefill and num_new < request.num_tokens_with_spec - num_hit:
@@ -367,9 +385,17 @@ class Scheduler:
                 request.num_cached_tokens = num_hit  # local hits and loaded tokens
             bisect.insort(self.running, request, key=self.policy.key)
             adapters.add(request)
+            if request.mm_features:
+                self._commit_encoder_inputs(step, request, num_hit, num_new, to_encode)
             step.record(request, num_new, block_ids, is_new=True)
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _commit_encoder_inputs(self, step: _Step, request: Request, num_computed: int,
+                               num_new: int, to_encode: list[int]) -> None:
+        self.encoder_inputs.commit(request, num_computed, num_new, to_encode)
+        if to_encode:
+            step.encoder_inputs[request.request_id] = to_encode
 
     def _micro_batch_seats(self) -> int:
         """With several steps in flight each takes ``1 / num_micro_batches`` of the
@@ -470,6 +496,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: drop the blocks, start over from the waiting queue."""
         self.kv_cache_manager.free(request)
+        self.encoder_inputs.release_all(request)
         self._executor_num_tokens.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -516,6 +543,7 @@ class Scheduler:
                 token_type_ids=r.token_type_ids,
                 state_slot=kv.get_state_slot(r.request_id),
                 lora_request=r.lora_request,
+                mm_features=r.mm_features or None,
             )
             for r in step.new_reqs
         ]
@@ -569,6 +597,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=step.preempted_req_ids,
             structured_output_req_ids=structured_ids,
+            scheduled_encoder_inputs=step.encoder_inputs,
+            free_encoder_ids=self.encoder_inputs.take_evicted(),
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
@@ -592,6 +622,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING or rid not in scheduled:
                 continue  # finished or aborted since schedule()
+            if request.mm_features:
+                self.encoder_inputs.release_computed(request)
             if request.pooling_params is not None:
                 pooled = model_runner_output.pooler_output.get(rid)
                 if pooled is not None:  # its prompt is done: the result is the output
@@ -706,6 +738,8 @@ class Scheduler:
         unless a KV consumer still has to pull them (freed when the send completes)."""
         if self.structured_output_manager is not None:
             self.structured_output_manager.remove_request(request.request_id)
+        if request.mm_features:
+            self.encoder_inputs.release_all(request)
         hold = request.hold_blocks
         if hold is None:  # finished from outside (abort): the connector decides too
             hold = self._finish_transfer(request)

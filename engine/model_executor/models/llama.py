@@ -284,9 +284,13 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        """``inputs_embeds``: the first stage's input rows when the caller embedded the
+        tokens itself (a vision-language model's text with image embeddings merged)."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb.prepare(positions)  # once per forward, for every layer
@@ -377,8 +381,14 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate)
+        return self.model(input_ids, positions, intermediate, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer would see (``forward``'s
+        ``inputs_embeds`` when a vision-language model merges image rows into them)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

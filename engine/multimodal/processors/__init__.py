@@ -1,0 +1,1 @@
+"""Per-family multimodal processors (see engine.multimodal.processing)."""
