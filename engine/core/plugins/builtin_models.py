@@ -46,6 +46,14 @@ BUILTINS = {
     "EagleLlamaForCausalLM": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "LlamaForCausalLMEagle": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
     "EAGLEModel": "engine.model_executor.models.eagle_llama:EagleLlamaForCausalLM",
+    # Vision-language models (images / videos in; engine.multimodal processes them).
+    "LlavaForConditionalGeneration": "engine.model_executor.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration":
+        "engine.model_executor.models.llava:LlavaNextForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration":
+        "engine.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration":
+        "engine.model_executor.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     # Decoders that only pool (engine.model_executor.models.adapters).
     "LlamaModel": "engine.model_executor.models.adapters:LlamaModel",
     "MistralModel": "engine.model_executor.models.adapters:MistralModel",

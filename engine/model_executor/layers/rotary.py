@@ -389,3 +389,59 @@ def rotary_for_config(hf_config: Any, head_size: int, *, dtype: torch.dtype,
                                fused_ops=fused_ops)
     return PartialRotaryEmbedding(head_size, rotary_dim, scaling, dtype=dtype, device=device,
                                   interleaved=interleaved, compute_dtype=compute_dtype)
+
+
+def mrope_section_from_config(hf_config: Any) -> tuple[int, ...] | None:
+    """Qwen2-VL's multimodal RoPE sections (rotary frequencies taken from the temporal,
+    height and width position rows), or None for ordinary RoPE. Read from v5
+    ``rope_parameters`` or the older ``rope_scaling`` (``{"type": "mrope", ...}``)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, name, None) or {}
+        if params.get("mrope_section"):
+            return tuple(int(s) for s in params["mrope_section"])
+    return None
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): positions ``[3, T]`` (temporal, height, width).
+
+    The ``head_size // 2`` rotary frequencies are cut into ``mrope_section`` runs; run
+    ``i`` takes its angle from position row ``i % 3`` (transformers'
+    ``recomposition_frequencies``), then both halves rotate as in plain RoPE. Positions
+    ``[T]`` (text-only prompts, decode steps at ``p + delta``: the three rows are equal
+    there) are ordinary RoPE, so they may take the platform's fused kernel and run in
+    forward graphs. The table is the parent's: same float32 angles as transformers."""
+
+    def __init__(self, head_size: int, scaling: RopeScaling, mrope_section: tuple[int, ...], *,
+                 dtype: torch.dtype, device: torch.device | str,
+                 fused_ops: FusedOps | None = None) -> None:
+        super().__init__(head_size, scaling, dtype=dtype, device=device, fused_ops=fused_ops)
+        if sum(mrope_section) != head_size // 2 or any(s <= 0 for s in mrope_section):
+            raise ValueError(f"mrope_section {list(mrope_section)} must be positive and sum "
+                             f"to head_size // 2 = {head_size // 2}")
+        self.mrope_section = tuple(mrope_section)
+        # Which position row (0 temporal, 1 height, 2 width) each frequency reads.
+        rows = torch.cat([torch.full((s,), i % 3, dtype=torch.int64)
+                          for i, s in enumerate(self.mrope_section)])
+        self.register_buffer("section_rows", rows.to(device), persistent=False)
+
+    def prepare(self, positions: torch.Tensor) -> RopeInputs:
+        if positions.dim() == 1:
+            return super().prepare(positions)
+        if positions.dim() != 2 or positions.shape[0] != 3:
+            raise ValueError(f"M-RoPE positions must be [T] or [3, T], not {tuple(positions.shape)}")
+        cos, sin = self.cos_sin(positions)
+        return RopeInputs(positions, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions)
+        tokens, half = positions.shape[1], self.head_size // 2
+        table = self.cos_sin_cache.index_select(0, positions.reshape(-1)).view(3, tokens, -1)
+        index = self.section_rows.view(1, 1, half).expand(1, tokens, half)
+        cos = table[..., :half].gather(0, index)[0]
+        sin = table[..., half:].gather(0, index)[0]
+        return cos[:, None, :], sin[:, None, :]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mrope_section={list(self.mrope_section)}"

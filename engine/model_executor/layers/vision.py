@@ -38,7 +38,9 @@ def segment_metadata(attn_backend, seq_lens: Sequence[int], device: torch.device
         num_tokens=num_tokens,
         query_start_loc=upload(starts),
         seq_lens=upload(lens),
-        block_tables=upload(np.zeros((len(lens), 1), dtype=np.int32)),
+        # No KV cache is read; the tables only need the width a context this long has.
+        block_tables=upload(np.zeros((len(lens), -(-int(lens.max()) // attn_backend.block_size)),
+                                     dtype=np.int32)),
         slot_mapping=upload(np.full(num_tokens, -1, dtype=np.int64)),
         max_query_len=int(lens.max()),
         max_seq_len=int(lens.max()),

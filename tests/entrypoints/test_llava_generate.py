@@ -1,0 +1,144 @@
+"""LLaVA-1.5 / LLaVA-NeXT through ``engine.LLM`` against transformers' greedy output.
+
+Reference: transformers ``generate`` on one prompt at a time, float32, with the inputs
+its saved LlavaProcessor / LlavaNextProcessor makes (PIL image processor). A divergence
+is accepted only at a verified near-tie of transformers' top-2 logprobs.
+
+One engine per model, with a small token budget (chunked prefill cuts prompts, images
+included, across steps) and prefix caching on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.helpers.hf_reference import cpu_llm
+from tests.helpers.vlm_llava import IMAGE_TOKEN, build_llava, hf_inputs, random_image
+
+MAX_TOKENS = 8
+BUDGET = 16  # max_num_batched_tokens (and the block size)
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llava", "next"])
+def setup(request, tmp_path_factory) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp(f"{request.param}_e2e")
+    reference = build_llava(path, next=request.param == "next")
+    llm = cpu_llm(path, max_model_len=256, max_num_batched_tokens=BUDGET, block_size=BUDGET,
+                  enable_chunked_prefill=True, enable_prefix_caching=True)
+    return {"path": path, "hf": reference, "llm": llm, "kind": request.param,
+            "image_id": reference.config.image_token_id}
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                         do_sample=False, pad_token_id=model.config.text_config.pad_token_id)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def assert_greedy_equivalent(model: Any, inputs: dict[str, torch.Tensor], got: list[int],
+                             want: list[int], tie: float = 1e-3) -> None:
+    """``got == want`` up to a verified near-tie in transformers' distribution."""
+    for j, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        step = dict(inputs)
+        extra = torch.tensor([want[:j]], dtype=torch.long)
+        step["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+        step["attention_mask"] = torch.ones_like(step["input_ids"])
+        logprobs = model(**step).logits[0, -1].double().log_softmax(-1)
+        top = logprobs.topk(2)
+        gap = float(top.values[0] - top.values[1])
+        assert gap < tie and g in top.indices.tolist(), (
+            f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}")
+        return
+    assert len(got) == len(want), (got, want)
+
+
+def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
+    outputs = setup["llm"].generate(requests, GREEDY)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None
+          ) -> list[int]:
+    inputs = hf_inputs(setup["path"], prompt, images)
+    want = hf_greedy(setup["hf"], inputs)
+    assert_greedy_equivalent(setup["hf"], inputs, got, want)
+    return want
+
+
+def request(prompt: str, images: list | None = None) -> dict[str, Any]:
+    if not images:
+        return {"prompt": prompt}
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+
+
+def test_one_image(setup) -> None:
+    image = random_image(60, 40, 0)
+    prompt = f"describe {IMAGE_TOKEN} now"
+    [got] = run(setup, [request(prompt, [image])])
+    check(setup, prompt, got, [image])
+
+
+def test_two_images_of_different_sizes(setup) -> None:
+    images = [random_image(60, 40, 1), random_image(24, 64, 2)]
+    prompt = f"first {IMAGE_TOKEN} second {IMAGE_TOKEN} compare"
+    [got] = run(setup, [request(prompt, images)])
+    check(setup, prompt, got, images)
+
+
+def test_batched_with_text_only_requests(setup) -> None:
+    """Image prompts share steps with text-only ones; each equals its reference alone."""
+    images = [random_image(50, 50, 3), random_image(64, 24, 4)]
+    prompts = [f"a {IMAGE_TOKEN} b", "just some text here", f"c {IMAGE_TOKEN} d", "more words"]
+    got = run(setup, [request(prompts[0], [images[0]]), request(prompts[1]),
+                      request(prompts[2], [images[1]]), request(prompts[3])])
+    check(setup, prompts[0], got[0], [images[0]])
+    check(setup, prompts[1], got[1])
+    check(setup, prompts[2], got[2], [images[1]])
+    check(setup, prompts[3], got[3])
+
+
+def test_chunked_prefill_across_an_image(setup) -> None:
+    """The token budget cuts this prompt's image tokens over two steps (the prefix is
+    the shortest one of these that puts the image across a chunk boundary)."""
+    image = random_image(56, 48, 5)
+    words = ["a", "long", "prefix", "of", "some", "words", "before", "it"]
+    for n in range(1, len(words) + 1):
+        prompt = f"{' '.join(words[:n])} {IMAGE_TOKEN} and then"
+        ids = hf_inputs(setup["path"], prompt, [image])["input_ids"][0].tolist()
+        where = [i for i, t in enumerate(ids) if t == setup["image_id"]]
+        if where[0] // BUDGET != where[-1] // BUDGET:
+            break
+    else:
+        pytest.fail("no prefix puts the image across a chunk boundary")
+    [got] = run(setup, [request(prompt, [image])])
+    check(setup, prompt, got, [image])
+
+
+def test_prefix_cache_hit_keeps_the_output(setup) -> None:
+    image = random_image(45, 60, 6)
+    prompt = f"{IMAGE_TOKEN} the same image again and again, then once more the same"
+    first = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
+    second = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
+    assert second.num_cached_tokens >= BUDGET
+    assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    check(setup, prompt, list(second.outputs[0].token_ids), [image])
+
+
+def test_a_different_image_gives_the_references_different_output(setup) -> None:
+    """Same text, another image of the same size: the prefix cache must not serve the
+    first image's blocks, and the output follows the reference for the new image."""
+    prompt = f"{IMAGE_TOKEN} tell me about it"
+    images = [random_image(60, 60, 7), random_image(60, 60, 8)]
+    got = [run(setup, [request(prompt, [image])])[0] for image in images]
+    wants = [check(setup, prompt, g, [image]) for g, image in zip(got, images)]
+    assert wants[0] != wants[1]  # the images matter to the reference
+    assert got[0] != got[1]
