@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from engine import SamplingParams
 from tests.helpers.hf_reference import cpu_llm
 from tests.helpers.vlm_llava import IMAGE_TOKEN, build_llava, hf_inputs, random_image
+from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
 
 MAX_TOKENS = 8
 BUDGET = 16  # max_num_batched_tokens (and the block size)
@@ -34,31 +34,8 @@ def setup(request, tmp_path_factory) -> dict[str, Any]:
             "image_id": reference.config.image_token_id}
 
 
-@torch.inference_mode()
-def hf_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                         do_sample=False, pad_token_id=model.config.text_config.pad_token_id)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-@torch.inference_mode()
-def assert_greedy_equivalent(model: Any, inputs: dict[str, torch.Tensor], got: list[int],
-                             want: list[int], tie: float = 1e-3) -> None:
-    """``got == want`` up to a verified near-tie in transformers' distribution."""
-    for j, (g, w) in enumerate(zip(got, want)):
-        if g == w:
-            continue
-        step = dict(inputs)
-        extra = torch.tensor([want[:j]], dtype=torch.long)
-        step["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
-        step["attention_mask"] = torch.ones_like(step["input_ids"])
-        logprobs = model(**step).logits[0, -1].double().log_softmax(-1)
-        top = logprobs.topk(2)
-        gap = float(top.values[0] - top.values[1])
-        assert gap < tie and g in top.indices.tolist(), (
-            f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}")
-        return
-    assert len(got) == len(want), (got, want)
 
 
 def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
@@ -69,7 +46,7 @@ def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]
 def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None
           ) -> list[int]:
     inputs = hf_inputs(setup["path"], prompt, images)
-    want = hf_greedy(setup["hf"], inputs)
+    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
     assert_greedy_equivalent(setup["hf"], inputs, got, want)
     return want
 

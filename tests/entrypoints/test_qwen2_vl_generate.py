@@ -28,6 +28,7 @@ from tests.helpers.vlm_qwen2vl import (
     hf_inputs,
     random_image,
 )
+from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
 
 MAX_TOKENS = 8
 # min_tokens: the EOS logit masked until then, as transformers' min_new_tokens does.
@@ -46,33 +47,8 @@ def setup(request, tmp_path_factory) -> dict[str, Any]:
     return {"path": path, "hf": reference, "llm": llm, "version": request.param}
 
 
-@torch.inference_mode()
-def hf_greedy(model: Any, inputs: dict[str, torch.Tensor]) -> list[int]:
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                         do_sample=False, pad_token_id=model.config.text_config.pad_token_id)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-@torch.inference_mode()
-def assert_greedy_equivalent(model: Any, inputs: dict[str, torch.Tensor], got: list[int],
-                             want: list[int], tie: float = 1e-3) -> None:
-    """``got == want`` up to a verified near-tie in transformers' distribution."""
-    for j, (g, w) in enumerate(zip(got, want)):
-        if g == w:
-            continue
-        step = dict(inputs)
-        extra = torch.tensor([want[:j]], dtype=torch.long)
-        step["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
-        step["attention_mask"] = torch.ones_like(step["input_ids"])
-        step["mm_token_type_ids"] = torch.cat(
-            [inputs["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
-        logprobs = model(**step).logits[0, -1].double().log_softmax(-1)
-        top = logprobs.topk(2)
-        gap = float(top.values[0] - top.values[1])
-        assert gap < tie and g in top.indices.tolist(), (
-            f"diverged at output {j}: engine {g}, transformers {w}, top-2 gap {gap:.2e}")
-        return
-    assert len(got) == len(want), (got, want)
 
 
 def frames(n: int, width: int, height: int, seed: int) -> list:
@@ -87,7 +63,7 @@ def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]
 def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None,
           video: dict[str, torch.Tensor] | None = None) -> list[int]:
     inputs = hf_inputs(setup["path"], prompt, images, video)
-    want = hf_greedy(setup["hf"], inputs)
+    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
     assert_greedy_equivalent(setup["hf"], inputs, got, want)
     return want
 

@@ -119,17 +119,3 @@ def hf_inputs(model_dir: Path, prompt: str, images: list | None = None
     processor = hf_processor(model_dir)
     enc = processor(text=[prompt], images=images or None, return_tensors="pt")
     return dict(enc)
-
-
-def hf_greedy(model: Any, inputs: dict[str, torch.Tensor], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt (new token ids only)."""
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=model.config.text_config.pad_token_id)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def hf_reference(model: Any, model_dir: Path, prompt: str, images: list | None,
-                 max_tokens: int) -> list[int]:
-    """processor outputs -> HF model greedy generate: the new token ids."""
-    return hf_greedy(model, hf_inputs(model_dir, prompt, images), max_tokens)

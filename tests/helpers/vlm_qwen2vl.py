@@ -130,11 +130,3 @@ def hf_inputs(model_dir: Path, prompt: str, images: list | None = None,
     types[input_ids == video_id] = 2
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
             "mm_token_type_ids": types, **inputs}
-
-
-def hf_greedy(model: Any, inputs: dict[str, torch.Tensor], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt (new token ids only)."""
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=model.config.text_config.pad_token_id)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine.core.interfaces import AttentionBatch
-from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llava import (
     LlavaForConditionalGeneration,
@@ -23,6 +21,7 @@ from engine.model_executor.weight_utils import safetensors_weights_iterator
 from engine.multimodal.processors.llava import LlavaNextProcessor, LlavaProcessor
 from engine.plugins.cpu.attention import CPUAttentionBackend
 from tests.helpers.vlm_llava import IMAGE_TOKEN, build_llava, hf_inputs, random_image
+from tests.helpers.vlm_reference import engine_prefill_logits
 
 CPU = torch.device("cpu")
 KINDS = {"llava": (LlavaForConditionalGeneration, LlavaProcessor),
@@ -234,21 +233,6 @@ def test_processor_strings_and_ids(tiny) -> None:
 
 
 # -- the language model ---------------------------------------------------------------
-def prefill(model, embeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Logits at every prompt position: one prefill through a fresh one-block cache."""
-    backend = model.ctx.attn_backend
-    spec = model.kv_cache_spec()
-    n = len(ids)
-    shape = backend.get_kv_cache_shape(1, backend.block_size, spec.num_kv_heads, spec.head_size)
-    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
-    batch = AttentionBatch(
-        num_reqs=1, num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.zeros((1, 1), dtype=torch.int32), slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n)
-    with torch.no_grad(), set_forward_context(ForwardContext(backend.build_metadata(batch),
-                                                             caches)):
-        return model.compute_logits(model(ids, torch.arange(n), inputs_embeds=embeds)).float()
 
 
 def merged_logits(model, processor, inputs: dict, imgs: list, image_id: int) -> torch.Tensor:
@@ -257,7 +241,7 @@ def merged_logits(model, processor, inputs: dict, imgs: list, image_id: int) -> 
     embeds = model.embed_input_ids(ids).clone()
     rows = torch.cat(engine_features(model, processor, imgs))
     embeds[ids == image_id] = rows
-    return prefill(model, embeds, ids)
+    return engine_prefill_logits(model, embeds, ids, torch.arange(len(ids)))
 
 
 def test_prompt_logits_equal_transformers(tiny) -> None:

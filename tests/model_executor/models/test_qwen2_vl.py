@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.interfaces import AttentionBatch
-from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.layers.rotary import MRotaryEmbedding, RopeScaling, RotaryEmbedding
 from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.qwen2_vl import (
@@ -36,6 +34,7 @@ from tests.helpers.vlm_qwen2vl import (
     image_processor,
     random_image,
 )
+from tests.helpers.vlm_reference import engine_prefill_logits
 
 CPU = torch.device("cpu")
 # float32 on both sides; the margin covers other CPUs' accumulation orders.
@@ -269,22 +268,6 @@ def test_processor_video_resize_is_close_to_pil(tiny) -> None:
     assert diff.mean() < 1.0 and diff.max() < 24
 
 
-def prefill(model, embeds: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
-            ) -> torch.Tensor:
-    """Logits at every prompt position: one prefill through a fresh one-block cache."""
-    backend = model.ctx.attn_backend
-    spec = model.kv_cache_spec()
-    n = len(ids)
-    shape = backend.get_kv_cache_shape(1, backend.block_size, spec.num_kv_heads, spec.head_size)
-    caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
-    batch = AttentionBatch(
-        num_reqs=1, num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.zeros((1, 1), dtype=torch.int32), slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n)
-    with torch.no_grad(), set_forward_context(ForwardContext(backend.build_metadata(batch),
-                                                             caches)):
-        return model.compute_logits(model(ids, positions, inputs_embeds=embeds)).float()
 
 
 @pytest.mark.parametrize("with_video", [False, True])
@@ -305,7 +288,7 @@ def test_prompt_logits_equal_transformers(tiny, with_video: bool) -> None:
         rows = model.embed_multimodal(feature.modality, [feature.tensors()])[0]
         embeds[feature.offset:feature.end] = rows
     positions, _ = model.mrope_positions(ids.tolist(), features)
-    got = prefill(model, embeds, ids, torch.from_numpy(positions))
+    got = engine_prefill_logits(model, embeds, ids, torch.from_numpy(positions))
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 
 
