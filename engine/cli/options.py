@@ -73,6 +73,52 @@ def _checked_json_config(config_cls_name: str) -> Callable[..., dict[str, Any] |
     return parse
 
 
+def parse_limit_mm_per_prompt(ctx: click.Context | None, param: click.Parameter | None,
+                              value: str | None) -> dict[str, int] | None:
+    """``--limit-mm-per-prompt '{"image": 2, "video": 1}'`` -> the dict EngineArgs takes."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON ({exc}): {value!r}", ctx, param) from None
+    if not isinstance(parsed, dict) or not all(
+            key in ("image", "video") and isinstance(n, int) and not isinstance(n, bool)
+            and n >= 0 for key, n in parsed.items()):
+        raise click.BadParameter("must be a JSON object of modality (image, video) -> "
+                                 f"count >= 0, e.g. '{{\"image\": 2}}'; got {value!r}",
+                                 ctx, param)
+    return parsed
+
+
+def _domains_option(ctx: click.Context | None, param: click.Parameter | None,
+                    value: tuple[str, ...]) -> list[str] | None:
+    """``--allowed-media-domains a.com b.org`` (or comma separated) -> a list, or None
+    when not given (any domain)."""
+    domains = [d.strip() for item in value for d in item.split(",") if d.strip()]
+    return domains or None
+
+
+class GreedyMultipleOption(click.Option):
+    """A ``multiple`` option that, like argparse's ``nargs='+'``, takes every following
+    argument up to the next option (``--allowed-media-domains a.com b.org``)."""
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            option = parser._long_opt.get(name) or parser._short_opt.get(name)
+            if option is None:
+                continue
+            process = option.process
+
+            def greedy(value: Any, state: Any, process: Any = process) -> None:
+                process(value, state)
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    process(state.rargs.pop(0), state)
+
+            option.process = greedy
+
+
 parse_structured_outputs_config = _checked_json_config("StructuredOutputsConfig")
 parse_kv_transfer_config = _checked_json_config("KVTransferConfig")
 
@@ -218,6 +264,22 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                       "transformers (the Transformers modeling backend: any transformers "
                       "decoder on the engine's paged attention), auto (engine when the "
                       "architecture is built in, else transformers)."),
+    click.option("--limit-mm-per-prompt", "limit_mm_per_prompt", default=None,
+                 callback=parse_limit_mm_per_prompt, metavar="JSON",
+                 help="Vision-language models: the most images / videos one prompt may "
+                      "hold, e.g. '{\"image\": 2, \"video\": 1}' (default: no limit)."),
+    click.option("--allowed-local-media-path", "allowed_local_media_path", default=None,
+                 type=click.Path(exists=True, file_okay=False, resolve_path=True),
+                 help="Chat messages may name images as file:// URLs under this directory "
+                      "(default: no local files)."),
+    click.option("--allowed-media-domains", "allowed_media_domains", multiple=True,
+                 cls=GreedyMultipleOption, callback=_domains_option,
+                 metavar="DOMAIN ...",
+                 help="Fetch http(s) image URLs only from these host names (default: any "
+                      "host; set this on a server untrusted clients reach)."),
+    click.option("--media-io-timeout", "media_io_timeout",
+                 type=click.FloatRange(min=0, min_open=True), default=10.0,
+                 show_default=True, help="Seconds fetching one image URL may take."),
 ]
 
 ENGINE_OPTION_NAMES = (
@@ -232,6 +294,8 @@ ENGINE_OPTION_NAMES = (
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "runner", "convert", "hf_overrides", "model_impl",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "async_scheduling",
+    "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
+    "media_io_timeout",
 )
 
 

@@ -4,6 +4,12 @@ Rendering is delegated to ``tokenizer.apply_chat_template`` so the text is exact
 transformers produces for the same template. Message parts that are lists of
 ``{"type": "text", "text": ...}`` (OpenAI style) are joined with newlines first, since
 most templates expect ``content`` to be a string.
+
+Messages with images or videos (``engine.multimodal.chat``) come either as strings that
+hold the model's placeholders (``content_format="string"``) or, for templates that iterate
+typed parts, as lists of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` /
+``{"type": "video"}`` parts that are passed through as they are (``content_format=
+"openai"``, vLLM's name; string content then becomes one text part).
 """
 
 from __future__ import annotations
@@ -15,10 +21,16 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+CONTENT_FORMATS = ("string", "openai")
+_MEDIA_PART_TYPES = ("image", "video")  # typed parts a parts-iterating template renders
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check the conversation shape; return plain dicts with text content flattened."""
+def validate_messages(messages: Any, content_format: str = "string") -> list[dict[str, Any]]:
+    """Check the conversation shape; return plain dicts with text content flattened
+    (``content_format="string"``) or as typed parts (``"openai"``)."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                         f"got {content_format!r}")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ValueError(
             f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
@@ -40,7 +52,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if "content" not in message and not message.get("tool_calls"):
             raise ValueError(f"messages[{i}] has no 'content'")
         item = dict(message)
-        item["content"] = _flatten_content(message.get("content"), i)
+        if content_format == "openai":
+            item["content"] = _typed_parts(message.get("content"), i)
+        else:
+            item["content"] = _flatten_content(message.get("content"), i)
         checked.append(item)
     return checked
 
@@ -64,6 +79,32 @@ def _flatten_content(content: Any, i: int) -> str | None:
         return "\n".join(texts)
     raise ValueError(
         f"messages[{i}]['content'] must be a string or a list of text parts, "
+        f"got {type(content).__name__}"
+    )
+
+
+def _typed_parts(content: Any, i: int) -> list[dict[str, Any]] | None:
+    """Content as a list of typed parts, for templates that iterate them."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, Sequence):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") in _MEDIA_PART_TYPES:
+                parts.append(dict(part))
+            elif (isinstance(part, Mapping) and part.get("type") == "text"
+                  and isinstance(part.get("text"), str)):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise ValueError(
+                    f"messages[{i}]['content'] parts must be {{'type': 'text', 'text': str}}, "
+                    f"{{'type': 'image'}} or {{'type': 'video'}}; got {part!r}"
+                )
+        return parts
+    raise ValueError(
+        f"messages[{i}]['content'] must be a string or a list of parts, "
         f"got {type(content).__name__}"
     )
 
@@ -94,10 +135,14 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    content_format: str = "string",
     **template_kwargs: Any,
 ) -> str:
-    """Render a conversation to prompt text (tokenize it with ``add_special_tokens=False``)."""
-    conversation = validate_messages(messages)
+    """Render a conversation to prompt text (tokenize it with ``add_special_tokens=False``).
+
+    ``content_format``: "string" (list content flattened to text) or "openai" (content as
+    typed parts, for templates that iterate them; see the module docstring)."""
+    conversation = validate_messages(messages, content_format)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     if continue_final_message and conversation[-1]["role"] != "assistant":

@@ -67,6 +67,34 @@ class ModelConfig(BaseModel):
     # engine.core.pooling_config), resolved from --runner / --convert.
     runner: Literal["generate", "pooling"] = "generate"
     pooler_config: PoolerConfig | None = None  # set exactly when runner == "pooling"
+    # Vision-language models (engine.multimodal), vLLM's options: the most items of each
+    # modality one prompt may hold (e.g. {"image": 2}; None: no limit), and where the
+    # image URLs of chat messages may point: local files only under
+    # allowed_local_media_path (None: none), http(s) only to allowed_media_domains (None:
+    # any host), each fetch bounded by media_io_timeout seconds.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    media_io_timeout: float = Field(default=10.0, gt=0)
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _check_mm_limits(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        for modality, limit in (value or {}).items():
+            if modality not in ("image", "video"):
+                raise ValueError(f"limit_mm_per_prompt names {modality!r}; modalities: "
+                                 "image, video")
+            if limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be >= 0, "
+                                 f"got {limit}")
+        return value
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _check_media_path(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isdir(value):
+            raise ValueError(f"allowed_local_media_path {value!r} is not a directory")
+        return value
 
     @property
     def tokenizer_path(self) -> str:

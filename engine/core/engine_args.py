@@ -173,6 +173,14 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's multimodal options (engine.multimodal): items per prompt by modality (a dict
+    # or its JSON text, e.g. '{"image": 2}'); where chat image URLs may point (local files
+    # under allowed_local_media_path; http(s) hosts in allowed_media_domains, any when
+    # None); seconds a media fetch may take.
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    media_io_timeout: float = 10.0
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -265,6 +273,12 @@ class EngineArgs:
                 model_impl=self.model_impl,
                 runner=runner,
                 pooler_config=pooler,
+                limit_mm_per_prompt=_json_dict(self.limit_mm_per_prompt,
+                                               "limit_mm_per_prompt"),
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=(list(self.allowed_media_domains)
+                                       if self.allowed_media_domains is not None else None),
+                media_io_timeout=self.media_io_timeout,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

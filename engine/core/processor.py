@@ -25,6 +25,7 @@ from engine.core.engine_io import EngineCoreRequest
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
 from engine.lora.request import LoRARequest
+from engine.multimodal.prompt import MultiModalPrompt
 from engine.structured_output import check_compilable
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -169,6 +170,10 @@ class Processor:
         self, prompt: PromptType, add_special_tokens: bool
     ) -> tuple[str | None, list[int], list[Any]]:
         """(text, token ids, multimodal features) of a prompt."""
+        if isinstance(prompt, MultiModalPrompt):  # processed already (the server does)
+            if self.multimodal is None:
+                raise ValueError("this model takes text only: it accepts no images or videos")
+            return prompt.text, list(prompt.token_ids), list(prompt.features)
         if isinstance(prompt, Mapping):
             keys = set(prompt)
             if "multi_modal_data" in keys:

@@ -149,11 +149,19 @@ class LLM(PoolingAPI):
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation with the chat template, then generate. Messages may
+        hold images (``image_url`` parts with data: / http(s): / file: URLs, ``image_pil``
+        parts; vLLM's) for a vision-language model."""
+        from engine.multimodal.chat import chat_prompt
+        from engine.multimodal.media import connector_from_config
+
         conversations = _as_conversations(messages)
+        connector = connector_from_config(self.llm_engine.config.model)
         prompts = [
-            self.llm_engine.processor.apply_chat_template(
+            chat_prompt(
+                self.llm_engine.processor,
                 conversation,
+                connector,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -10,13 +10,21 @@ included, across steps) and prefix caching on.
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
 
 import pytest
 
 from engine import SamplingParams
 from tests.helpers.hf_reference import cpu_llm
-from tests.helpers.vlm_llava import IMAGE_TOKEN, build_llava, hf_inputs, random_image
+from tests.helpers.vlm_llava import (
+    IMAGE_TOKEN,
+    build_llava,
+    hf_inputs,
+    hf_processor,
+    random_image,
+)
 from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
 
 MAX_TOKENS = 8
@@ -32,10 +40,6 @@ def setup(request, tmp_path_factory) -> dict[str, Any]:
                   enable_chunked_prefill=True, enable_prefix_caching=True)
     return {"path": path, "hf": reference, "llm": llm, "kind": request.param,
             "image_id": reference.config.image_token_id}
-
-
-
-
 
 
 def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
@@ -119,3 +123,30 @@ def test_a_different_image_gives_the_references_different_output(setup) -> None:
     wants = [check(setup, prompt, g, [image]) for g, image in zip(got, images)]
     assert wants[0] != wants[1]  # the images matter to the reference
     assert got[0] != got[1]
+
+
+def test_chat_with_image_parts(setup) -> None:
+    """``LLM.chat`` takes an OpenAI ``image_url`` part (a base64 PNG data URL) and an
+    ``image_pil`` part; the tiny model's template takes string content, so the image's
+    placeholder goes on its own line before the text (vLLM's rule). Reference:
+    transformers on that rendered text."""
+    image = random_image(48, 40, 9)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    by_url = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": url}}]}]
+    by_pil = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": image}, {"type": "text", "text": "what is this"}]}]
+    outs = setup["llm"].chat([by_url, by_pil], GREEDY, use_tqdm=False)
+    processor = hf_processor(setup["path"])
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{IMAGE_TOKEN}\nwhat is this"}], tokenize=False,
+        add_generation_prompt=True)
+    inputs = dict(processor(text=[text], images=[image], return_tensors="pt",
+                            add_special_tokens=False))
+    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
+    for out in outs:
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+        assert_greedy_equivalent(setup["hf"], inputs, list(out.outputs[0].token_ids), want)

@@ -205,11 +205,36 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
-class ChatContentPart(OpenAIRequestModel):
-    """A part of a message's content; only text parts are supported."""
-
+class ChatTextPart(OpenAIRequestModel):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(OpenAIRequestModel):
+    # data:image/...;base64,..., http(s):// (--allowed-media-domains) or file://
+    # (--allowed-local-media-path); engine.multimodal.media reads it.
+    url: NonEmptyStr
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; models choose sizes
+
+
+class ChatImageURLPart(OpenAIRequestModel):
+    """An image for a vision-language model (OpenAI's ``image_url``; the URL string alone
+    is accepted too, as vLLM does)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | NonEmptyStr
+
+
+class ChatInputImagePart(OpenAIRequestModel):
+    """The Responses API's spelling of an image part."""
+
+    type: Literal["input_image"]
+    image_url: ImageURL | NonEmptyStr
+
+
+# A part of a message's content: text, or an image (engine.multimodal.chat).
+ChatContentPart = Annotated[ChatTextPart | ChatImageURLPart | ChatInputImagePart,
+                            Field(discriminator="type")]
 
 
 class ChatMessageParam(OpenAIRequestModel):
@@ -226,13 +251,13 @@ class ChatMessageParam(OpenAIRequestModel):
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessageParam:
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+            raise ValueError(f"a {self.role} message needs content (a string or parts)")
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = [part.model_dump() for part in content]
+            content = [part.model_dump(exclude_none=True) for part in content]
         message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

@@ -159,6 +159,14 @@ class GenerationJob:
     cache_salt: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter the request named (None: base)
+    # A prompt with images / videos, already processed (engine.multimodal.prompt
+    # .MultiModalPrompt: ``prompt.token_ids`` are its expanded ids, for length checks and
+    # usage); the engine takes it as it is instead of processing the images again.
+    mm_prompt: Any = None
+
+    def engine_prompt(self) -> Any:
+        """What the engine is given: the token ids, or the processed multimodal prompt."""
+        return self.prompt.token_ids if self.mm_prompt is None else self.mm_prompt
 
 
 class OpenAIServing:
@@ -340,7 +348,7 @@ class OpenAIServing:
                 await loras.acquire(lora)
             extra["lora_request"] = lora
         try:
-            generator = self.engine.generate(job.prompt.token_ids, job.params, job.request_id,
+            generator = self.engine.generate(job.engine_prompt(), job.params, job.request_id,
                                              priority=job.priority, cache_salt=job.cache_salt,
                                              **extra)
         except BaseException:

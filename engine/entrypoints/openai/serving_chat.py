@@ -22,6 +22,14 @@ streamed as ``delta.reasoning_content`` / ``delta.reasoning``) and the rest; too
 read from the rest only (the engine core likewise constrains only the tokens after the
 reasoning).
 
+Images (``image_url`` content parts; :mod:`engine.multimodal.chat`) are loaded with the
+server's :class:`~engine.multimodal.media.MediaConnector` (``--allowed-media-domains``,
+``--allowed-local-media-path``, ``--media-io-timeout``), concurrently and off the event
+loop; the messages get the model's placeholders (or typed parts, for templates that iterate
+them), the model's processor expands the prompt (off the event loop), and the engine
+takes that processed prompt as it is. Every bad image (refused URL, too large, corrupt, more than
+``--limit-mm-per-prompt``, an image to a text-only model) is a 400 before anything runs.
+
 The steps are reusable (``/v1/responses`` runs through them): :meth:`OpenAIServingChat.
 prepare` validates a request and builds its engine job, :meth:`~OpenAIServingChat.choice`
 reads a finished output, :meth:`~OpenAIServingChat.iterate_deltas` a streamed one.
@@ -29,6 +37,7 @@ reads a finished output, :meth:`~OpenAIServingChat.iterate_deltas` a streamed on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -75,6 +84,15 @@ from engine.entrypoints.openai.serving_completion import (
     serialize_prompt_logprobs,
     server_structured_outputs,
 )
+from engine.multimodal.chat import (
+    aload_media_items,
+    chat_template_source,
+    check_media_limits,
+    content_format_for,
+    extract_chat_media,
+    has_media_parts,
+)
+from engine.multimodal.media import connector_from_config
 from engine.structured_output.enforcement import relaxed_keywords
 from engine.structured_output.openai_fields import relaxed_headers
 from engine.structured_output.reasoning import (
@@ -89,7 +107,18 @@ from engine.structured_output.tool_choice import ToolCallHandler
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "chat_template", "tools", "documents",
     "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+    "content_format",
 })
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation rendered for the engine: its text, token ids (images expanded to
+    their embedding tokens) and, with images, the processed multimodal prompt."""
+
+    text: str
+    token_ids: list[int]
+    mm_prompt: Any = None  # engine.multimodal.prompt.MultiModalPrompt (None: text only)
 
 
 @dataclass
@@ -141,6 +170,8 @@ class OpenAIServingChat(OpenAIServing):
         name = self.settings.reasoning_parser
         self.reasoning_parser = (get_reasoning_parser(name, self.tokenizer)
                                  if name is not None else None)
+        model_config = getattr(getattr(self.engine, "config", None), "model", None)
+        self.media_connector = connector_from_config(model_config)
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      receive: Callable) -> Response:
@@ -189,13 +220,18 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         self.check_logprobs_limit(request.top_logprobs, "top_logprobs")
         self.check_logprobs_limit(request.prompt_logprobs, "prompt_logprobs")
-        text = await self.render(request.messages, request.chat_template,
-                                 request.add_generation_prompt, request.continue_final_message,
-                                 request.chat_template_kwargs,
-                                 tools=request.tools if handler is not None else None)
-        prompt = PromptInput(await self.tokenize(text, request.add_special_tokens), text)
+        chat = await self.render_prompt(request.messages, request.chat_template,
+                                        request.add_generation_prompt,
+                                        request.continue_final_message,
+                                        request.chat_template_kwargs,
+                                        request.add_special_tokens,
+                                        tools=request.tools if handler is not None else None)
+        prompt = PromptInput(chat.token_ids, chat.text)
         truncate = request.truncate_prompt_tokens
         if truncate is not None and truncate >= 1 and len(prompt.token_ids) > truncate:
+            if chat.mm_prompt is not None:
+                raise bad_request("truncate_prompt_tokens cannot cut a prompt with images "
+                                  "(their tokens would be cut apart)", "truncate_prompt_tokens")
             prompt = PromptInput(prompt.token_ids[-truncate:])
         if request.max_completion_tokens is not None:
             requested, param = request.max_completion_tokens, "max_completion_tokens"
@@ -220,7 +256,11 @@ class OpenAIServingChat(OpenAIServing):
                 and params.skip_special_tokens):  # keep special-token markers in the text
             params = params.clone(skip_special_tokens=False)
         job = GenerationJob(0, options.request_id, prompt, params, request.priority,
-                            request.cache_salt, lora_request=lora)
+                            request.cache_salt, lora_request=lora,
+                            mm_prompt=chat.mm_prompt)
+        if chat.mm_prompt is not None and request.use_beam_search:
+            raise bad_request("use_beam_search is not supported with images",
+                              "use_beam_search")
         relaxed = relaxed_keywords(params.structured_outputs)  # the 400 is validate_job's
         self.validate_job(job, request)
         beam = beam_search_params(request, job)  # use_beam_search; None: sampling
@@ -261,19 +301,64 @@ class OpenAIServingChat(OpenAIServing):
 
     _choice = choice  # the older name
 
-    async def render(self, messages: list[ChatMessageParam], chat_template: str | None,
+    async def render_prompt(self, messages: list[ChatMessageParam],
+                            chat_template: str | None, add_generation_prompt: bool,
+                            continue_final_message: bool, template_kwargs: dict | None,
+                            add_special_tokens: bool,
+                            tools: list[dict] | None = None) -> ChatPrompt:
+        """The conversation as the engine's prompt: rendered, tokenized and, when it holds
+        images, with them loaded and expanded. Every problem is the client's 400."""
+        dicts = [m.to_template_dict() if isinstance(m, ChatMessageParam) else m
+                 for m in messages]
+        if not has_media_parts(dicts):
+            text = await self.render(dicts, chat_template, add_generation_prompt,
+                                     continue_final_message, template_kwargs, tools=tools)
+            return ChatPrompt(text, await self.tokenize(text, add_special_tokens))
+        multimodal = getattr(self.engine.processor, "multimodal", None)
+        mm_processor = getattr(multimodal, "mm_processor", None)
+        if mm_processor is None:
+            raise bad_request(f"model {self.model_name!r} does not accept images (it takes "
+                              "text only)", "messages")
+        try:
+            source = chat_template_source(self.tokenizer, chat_template)
+        except ValueError as exc:
+            raise from_value_error(exc, "chat_template") from exc
+        content_format = content_format_for(source)
+        try:
+            dicts, items = extract_chat_media(dicts, mm_processor.placeholder,
+                                              content_format == "openai")
+            check_media_limits(items, getattr(multimodal, "limits", None),
+                               getattr(multimodal, "modalities", None))
+            data = await aload_media_items(items, self.media_connector)
+        except ValueError as exc:  # MediaError included
+            raise from_value_error(exc, "messages") from exc
+        text = await self.render(dicts, chat_template, add_generation_prompt,
+                                 continue_final_message, template_kwargs, tools=tools,
+                                 content_format=content_format)
+        try:  # the model's processor (resize, patching), off the event loop
+            expanded = await asyncio.to_thread(multimodal.process, text, data,
+                                               add_special_tokens)
+        except ValueError as exc:
+            raise from_value_error(exc, "messages") from exc
+        return ChatPrompt(text, list(expanded.token_ids), expanded)
+
+    async def render(self, messages: list[ChatMessageParam] | list[dict[str, Any]],
+                     chat_template: str | None,
                      add_generation_prompt: bool, continue_final_message: bool,
                      template_kwargs: dict | None,
-                     tools: list[dict] | None = None) -> str:
+                     tools: list[dict] | None = None, content_format: str = "string") -> str:
         """The conversation as prompt text; template problems are the client's 400s."""
         kwargs = dict(template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
             raise bad_request(f"chat_template_kwargs must not set {', '.join(reserved)}",
                               "chat_template_kwargs")
+        if content_format != "string":
+            kwargs["content_format"] = content_format
         try:
             return self.engine.processor.apply_chat_template(
-                [m.to_template_dict() for m in messages], chat_template=chat_template,
+                [m.to_template_dict() if isinstance(m, ChatMessageParam) else m
+                 for m in messages], chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, tools=tools,
                 continue_final_message=continue_final_message, **kwargs)
         except ValueError as exc:

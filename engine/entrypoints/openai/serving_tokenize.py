@@ -25,17 +25,16 @@ class OpenAIServingTokenization(OpenAIServingChat):
         self.log_ignored_fields(request, "/tokenize")
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of prompt (text) or messages (chat)", "prompt")
-        if request.messages is not None:
-            text = await self.render(request.messages, request.chat_template,
-                                     request.add_generation_prompt,
-                                     request.continue_final_message,
-                                     request.chat_template_kwargs)
-            add_special = bool(request.add_special_tokens)
+        if request.messages is not None:  # images are expanded to their tokens
+            chat = await self.render_prompt(request.messages, request.chat_template,
+                                            request.add_generation_prompt,
+                                            request.continue_final_message,
+                                            request.chat_template_kwargs,
+                                            bool(request.add_special_tokens))
+            ids = chat.token_ids
         else:
             assert request.prompt is not None
-            text = request.prompt
-            add_special = request.add_special_tokens is not False
-        ids = await self.tokenize(text, add_special)
+            ids = await self.tokenize(request.prompt, request.add_special_tokens is not False)
         strs = None
         if request.return_token_strs and self.tokenizer is not None:
             strs = self.tokenizer.convert_ids_to_tokens(ids)
