@@ -165,6 +165,17 @@ class SchedulerConfig(BaseModel):
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     # vLLM's --async-scheduling: step N+1 is scheduled while step N runs (engine_core).
     async_scheduling: bool = False
+    # vLLM's --disable-chunked-mm-input: a prompt chunk never ends inside an image (on
+    # for models whose image tokens attend to each other both ways, e.g. Gemma 3).
+    disable_chunked_mm_input: bool = False
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most tokens one request may compute in one step."""
+        threshold = self.long_prefill_token_threshold
+        if self.enable_chunked_prefill and threshold:
+            return min(self.max_num_batched_tokens, threshold)
+        return self.max_num_batched_tokens
 
     @model_validator(mode="after")
     def _budget_fits_a_prompt(self) -> "SchedulerConfig":

@@ -178,6 +178,9 @@ class EngineArgs:
     # under allowed_local_media_path; http(s) hosts in allowed_media_domains, any when
     # None); seconds a media fetch may take.
     limit_mm_per_prompt: dict[str, int] | str | None = None
+    # Never end a prompt chunk inside an image (always on for Gemma 3, whose image tokens
+    # attend to each other both ways).
+    disable_chunked_mm_input: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     media_io_timeout: float = 10.0
@@ -300,6 +303,8 @@ class EngineArgs:
                 enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 async_scheduling=self._async_scheduling(speculative),
+                disable_chunked_mm_input=self.disable_chunked_mm_input or bool(
+                    getattr(files.model_cls, "bidirectional_mm_attention", False)),
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

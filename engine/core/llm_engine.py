@@ -143,8 +143,11 @@ def build_multimodal_processor(config: EngineConfig, files: Any, tokenizer: Any)
         raise ValueError("a vision-language model needs its tokenizer (skip_tokenizer_init "
                          "is not supported for it)")
     mm_processor = processor_for(files.path, files.hf_config, tokenizer)
-    return MultiModalInputProcessor(mm_processor, tokenizer,
-                                    getattr(config.model, "limit_mm_per_prompt", None))
+    scheduler = config.scheduler
+    # A model that runs an item's tokens in one step: no item longer than a step's share.
+    max_item_tokens = scheduler.max_chunk_tokens if scheduler.disable_chunked_mm_input else None
+    return MultiModalInputProcessor(mm_processor, tokenizer, config.model.limit_mm_per_prompt,
+                                    max_item_tokens)
 
 
 def adopt_max_model_len(config: EngineConfig, processor: Processor, client: Any) -> int:

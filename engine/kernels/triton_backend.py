@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from engine.core.batch_invariance import batch_invariant_enabled
@@ -90,6 +91,9 @@ class TritonAttentionMetadata:
     num_kv_splits: int  # 1 = single pass; > 1 = split-KV with that many splits
     workspace: SplitKVWorkspace  # split-KV partial buffers, reused across layers/steps
     batch_invariant: bool = False  # one tile shape for every step, never split-KV
+    # int32 [T] on the device: each query's key end where some query attends past its
+    # position (AttentionBatch.key_ends_cpu: bidirectional image tokens); None: causal.
+    key_ends: torch.Tensor | None = None
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -144,6 +148,7 @@ class TritonAttentionImpl(AttentionImpl):
             attention_chunk_size=spec.attention_chunk_size,
             sinks=self._sink_logits(query.device),
             batch_invariant=metadata.batch_invariant,
+            key_ends=metadata.key_ends,
         )
 
     def _sink_logits(self, device: torch.device) -> torch.Tensor | None:
@@ -393,7 +398,13 @@ class TritonAttentionBackend(AttentionBackend):
             num_kv_splits=splits,
             workspace=self._workspace,
             batch_invariant=self.batch_invariant,
+            key_ends=(None if batch.key_ends_cpu is None else torch.as_tensor(
+                np.asarray(batch.key_ends_cpu, dtype=np.int32)).to(batch.seq_lens.device)),
         )
+
+    @classmethod
+    def supports_key_ends(cls) -> bool:
+        return True
 
     def make_impl(self, spec: AttentionLayerSpec) -> TritonAttentionImpl | TritonMLAAttentionImpl:
         reason = self.validate(spec, self.block_size)

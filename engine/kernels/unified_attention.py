@@ -108,6 +108,7 @@ def _unified_attention_kernel(
     sliding_window,
     chunk_size,  # chunked local attention's C (unused unless USE_CHUNK)
     sinks_ptr,  # float32 [num_heads] sink logits (unused unless USE_SINKS)
+    key_ends_ptr,  # int32 [T] each query's exclusive key end (unused unless USE_KEY_ENDS)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -132,6 +133,7 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_KEY_ENDS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # 0: the cache's own dtype; else fp8_kv's format of uint8 codes
@@ -166,9 +168,13 @@ def _unified_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(tl.float32)
     q_dot = q.to(DOT_DTYPE)
 
-    # Keys this program may need: up to its last query's position, from the first
+    # Keys this program may need: up to its last query's position (or the furthest key
+    # end a query has, for image tokens that see their whole image), from the first
     # query's window or chunk start.
     key_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
+    if USE_KEY_ENDS:
+        q_key_end = tl.load(key_ends_ptr + token, mask=row_valid, other=0)
+        key_end = tl.maximum(key_end, tl.max(q_key_end, axis=0))
     first_q_pos = context_len + local_block * BLOCK_Q
     key_start = 0
     if USE_WINDOW:
@@ -214,7 +220,10 @@ def _unified_attention_kernel(
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
         s = s * 1.4426950408889634  # log2(e): exp2 below
-        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_KEY_ENDS:
+            allowed = k_valid[None, :] & (k_pos[None, :] < q_key_end[:, None])
+        else:
+            allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < sliding_window)
         if USE_CHUNK:
@@ -363,6 +372,7 @@ def unified_attention(
     attention_chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``q`` [T, num_heads, head_size] into ``out`` (returned).
 
@@ -374,6 +384,9 @@ def unified_attention(
     ``C * (p // C) ..= p``); ``sinks``: float32 ``[num_heads]`` sink logits.
     ``batch_invariant``: one tile shape for every step and no split-KV (None splits mean
     1; more is an error), so a row's result does not depend on its batch or step.
+    ``key_ends``: int32 ``[T]``, each query's exclusive key end where it reaches past the
+    query's position (``AttentionBatch.key_ends_cpu``: an image's tokens see the whole
+    image, Gemma 3); the window still counts back from the query's position.
     """
     _validate(q, kv_cache, out, query_start_loc, seq_lens, block_tables)
     check_cache_dtype(kv_cache, k_scale, v_scale)
@@ -392,6 +405,12 @@ def unified_attention(
                              f"{tuple(sinks.shape)}")
         check_device(_INTERPRETED, q, sinks)
         sinks = sinks.contiguous()
+    if key_ends is not None:
+        if key_ends.shape != (num_tokens,):
+            raise ValueError(f"key_ends must have one entry per query token ({num_tokens}), "
+                             f"got shape {tuple(key_ends.shape)}")
+        check_device(_INTERPRETED, q, key_ends)
+        key_ends = key_ends.to(torch.int32).contiguous()
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -452,6 +471,7 @@ def unified_attention(
         int(sliding_window or 0),
         int(attention_chunk_size or 0),
         sinks if sinks is not None else out,
+        key_ends if key_ends is not None else seq_lens,
         *q.stride(),
         *out.stride(),
         *key_cache.stride(),
@@ -469,6 +489,7 @@ def unified_attention(
         USE_WINDOW=bool(sliding_window),
         USE_CHUNK=attention_chunk_size is not None,
         USE_SINKS=sinks is not None,
+        USE_KEY_ENDS=key_ends is not None,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         KV_FP8=fp8,

@@ -99,9 +99,12 @@ class StepInputs:
 
 
 def build_attention_metadata(
-    attn_backend, step: StepIndices, upload: Callable[[np.ndarray], torch.Tensor]
+    attn_backend, step: StepIndices, upload: Callable[[np.ndarray], torch.Tensor],
+    key_ends: np.ndarray | None = None,
 ) -> Any:
-    """The backend's metadata for a step's layout (uploaded with ``upload``)."""
+    """The backend's metadata for a step's layout (uploaded with ``upload``);
+    ``key_ends``: per token, where its keys end when some reach past it (Gemma 3's
+    images)."""
     batch = AttentionBatch(
         num_reqs=len(step.rows),
         num_tokens=len(step.input_ids),
@@ -113,13 +116,14 @@ def build_attention_metadata(
         max_seq_len=step.max_seq_len,
         query_start_loc_cpu=step.query_start_loc,
         seq_lens_cpu=step.seq_lens,
+        key_ends_cpu=key_ends,
     )
     return attn_backend.build_metadata(batch)
 
 
 def build_layer_metadata(
     attn_backend, step: StepIndices, group0_metadata: Any, layer_groups: list[int],
-    upload: Callable[[np.ndarray], torch.Tensor],
+    upload: Callable[[np.ndarray], torch.Tensor], key_ends: np.ndarray | None = None,
 ) -> list[Any] | None:
     """Each layer's metadata for a hybrid model (one per KV cache group, built from the
     group's block tables and cache slots); None with one group."""
@@ -128,7 +132,8 @@ def build_layer_metadata(
     metadata = [group0_metadata]
     for slots, tables in zip(step.group_slot_mappings, step.group_block_tables):
         metadata.append(build_attention_metadata(
-            attn_backend, replace(step, slot_mapping=slots, block_tables=tables), upload))
+            attn_backend, replace(step, slot_mapping=slots, block_tables=tables), upload,
+            key_ends))
     return [metadata[group] for group in layer_groups]
 
 
@@ -215,6 +220,10 @@ class ModelRunner:
                 raise ValueError("pipeline parallelism is not supported with "
                                  "vision-language models")
             self.mm = MultiModalRunner(model, self.device)
+            if self.mm.bidirectional and not attn_backend.supports_key_ends():
+                raise ValueError(
+                    f"{type(model).__name__}'s image tokens attend to each other both ways; "
+                    f"attention backend {attn_backend.name!r} cannot (supports_key_ends)")
 
     # -- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> None:
@@ -472,7 +481,8 @@ class ModelRunner:
             hidden = graphs.forward(graph_step, lora_slots=lora_slots)
             if hidden is not None:
                 return hidden
-        metadata, input_ids, positions = self._eager_inputs(step)
+        key_ends = None if self.mm is None else self.mm.key_ends(inputs.req_ids, step)
+        metadata, input_ids, positions = self._eager_inputs(step, key_ends)
         if mm_positions is not None:
             positions = self._upload(np.ascontiguousarray(mm_positions))
         extra = {}
@@ -482,7 +492,7 @@ class ModelRunner:
                 extra["inputs_embeds"] = embeds
         if self.pp is None:
             layer_metadata = None if self._layer_groups is None else build_layer_metadata(
-                self.attn_backend, step, metadata, self._layer_groups, self._upload)
+                self.attn_backend, step, metadata, self._layer_groups, self._upload, key_ends)
             ctx = ForwardContext(metadata, self.kv_caches, self._layer_hooks, layer_metadata)
             if lora_slots is not None:
                 ctx.lora = LoRABatch(self._upload(lora_slots), active=bool((row_slots >= 0).any()))
@@ -524,10 +534,11 @@ class ModelRunner:
         return torch.empty(2, num_tokens, hidden_size, dtype=self.model.activation_dtype,
                            device=self.device)
 
-    def _eager_inputs(self, step: StepIndices) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _eager_inputs(self, step: StepIndices, key_ends: np.ndarray | None = None
+                      ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The attention metadata, token ids and positions of a step run eagerly."""
         upload = self._upload
-        metadata = build_attention_metadata(self.attn_backend, step, upload)
+        metadata = build_attention_metadata(self.attn_backend, step, upload, key_ends)
         return metadata, upload(step.input_ids), upload(step.positions)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:

@@ -8,6 +8,8 @@ text embeddings at those tokens' places in the flat batch. Models with multimoda
 (Qwen2-VL) get ``[3, T]`` positions for prompt tokens from a table computed once per
 request; every later token sits at ``p + delta`` on all three axes, which is plain RoPE
 at a shifted position -- so decode steps keep 1-D positions (and their forward graphs).
+Models whose image tokens attend to each other both ways (Gemma 3) get per-token key
+ends for the attention backend (``AttentionBatch.key_ends_cpu``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class MultiModalRunner:
         self.model = model
         self.device = device
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        # Gemma 3: an image's tokens attend to each other both ways (the scheduler keeps
+        # each image within one step; key_ends tells the attention backend).
+        self.bidirectional = bool(getattr(model, "bidirectional_mm_attention", False))
         self.features: dict[str, list[MultiModalFeature]] = {}
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden]
         # M-RoPE: per request, the prompt's [3, P] positions and the later tokens' delta.
@@ -125,6 +130,33 @@ class MultiModalRunner:
             idx = np.arange(span.start, span.stop)[in_prompt]
             full[:, idx] = values
         return full
+
+    def key_ends(self, req_ids: list[str], step: StepIndices) -> np.ndarray | None:
+        """``AttentionBatch.key_ends_cpu`` for a model whose image tokens attend to their
+        whole image: each such token's keys end at its image's end (the image lies in the
+        step: the scheduler never splits one), every other token's after itself. None
+        when the step holds no image token."""
+        if not self.bidirectional:
+            return None
+        ends = None
+        for i, req_id in enumerate(req_ids):
+            features = self.features.get(req_id)
+            if not features:
+                continue
+            first = int(step.query_start_loc[i])
+            start = int(step.positions[first])
+            end = start + int(step.num_scheduled[i])
+            for feature in features:
+                lo, hi = max(feature.offset, start), min(feature.end, end)
+                if lo >= hi:
+                    continue
+                if feature.end > end:
+                    raise RuntimeError(f"request {req_id}: a step ends inside an image whose "
+                                       "tokens attend both ways")
+                if ends is None:
+                    ends = step.positions.astype(np.int64) + 1
+                ends[first + lo - start : first + hi - start] = feature.end
+        return ends
 
     @staticmethod
     def with_positions(step: StepIndices, positions: np.ndarray) -> StepIndices:

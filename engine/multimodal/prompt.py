@@ -35,9 +35,13 @@ class MultiModalInputProcessor:
     """The front end's multimodal step (one per engine)."""
 
     def __init__(self, mm_processor: MultiModalProcessor, tokenizer: Any,
-                 limits: Mapping[str, int] | None = None) -> None:
+                 limits: Mapping[str, int] | None = None,
+                 max_item_tokens: int | None = None) -> None:
+        """``max_item_tokens``: the most embedding tokens one item may have (a model
+        that runs an item's tokens in one step: that step's token budget)."""
         self.mm_processor = mm_processor
         self.tokenizer = tokenizer
+        self.max_item_tokens = max_item_tokens
         self.limits = dict(limits or {})
         for modality, limit in self.limits.items():
             if modality not in MODALITIES:
@@ -60,6 +64,12 @@ class MultiModalInputProcessor:
             if len(outs) != len(items[modality]):
                 raise RuntimeError(f"the {modality} processor returned {len(outs)} items "
                                    f"for {len(items[modality])}")
+            longest = max(item.num_embeds for item in outs)
+            if self.max_item_tokens is not None and longest > self.max_item_tokens:
+                raise ValueError(
+                    f"a {modality} of {longest} tokens does not fit one step of "
+                    f"{self.max_item_tokens} tokens (max_num_batched_tokens), and this "
+                    f"model runs a {modality}'s tokens in one step")
         if isinstance(prompt, str):
             text = self._expand_text(prompt, processed)
             token_ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

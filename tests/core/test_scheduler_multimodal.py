@@ -121,3 +121,41 @@ def test_prefix_cache_hits_depend_on_the_image_content():
     assert outs["c"].num_cached_tokens == 4 and encoded(so) == {"c": [0]}
     drain(s)
     assert_all_free(s)
+
+
+def whole_items_scheduler(**kw):
+    from engine.core.config import CacheConfig, SchedulerConfig
+    from engine.core.scheduler import Scheduler
+
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=kw.pop("budget", 8),
+                             max_model_len=64, disable_chunked_mm_input=True, **kw)
+    return Scheduler(config, CacheConfig(block_size=BS, enable_prefix_caching=True), 64)
+
+
+def test_whole_items_a_chunk_stops_before_an_image_it_cannot_finish():
+    """--disable-chunked-mm-input (Gemma 3): each image's tokens run in one step."""
+    s = whole_items_scheduler(budget=8)
+    add(s, with_images("a", 20, image("img", 5, 6), max_tokens=1))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 5} and encoded(so) == {}  # stops before it
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 8} and encoded(so) == {"a": [0]}  # 5..12
+    drain(s)
+    assert_all_free(s)
+
+
+def test_whole_items_an_image_longer_than_a_step_is_refused():
+    s = whole_items_scheduler(budget=8)
+    try:
+        add(s, with_images("a", 20, image("img", 2, 9)))
+    except ValueError as exc:
+        assert "does not fit one step of 8 tokens" in str(exc)
+    else:
+        raise AssertionError("an image longer than a step was accepted")
+    s = whole_items_scheduler(budget=16, long_prefill_token_threshold=4)
+    try:
+        add(s, with_images("b", 20, image("img", 2, 5)))
+    except ValueError as exc:
+        assert "one step of 4 tokens" in str(exc)
+    else:
+        raise AssertionError("an image longer than the prefill threshold was accepted")

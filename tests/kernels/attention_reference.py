@@ -95,12 +95,15 @@ def reference_attention(
     soft_cap: float | None = None,
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float64 causal attention from the per-request K/V (never reads the cache).
 
     ``chunk_size``: chunked local attention, a query at position p sees keys ``C * (p //
     C) ..= p``; ``sinks`` ([H]): one more, uncapped and value-less, column per head's
-    softmax (dropped after it)."""
+    softmax (dropped after it); ``key_ends`` ([T]): each query's keys end there instead
+    of at its position (bidirectional image tokens, the window still counted from the
+    query)."""
     outs = []
     num_heads = batch.q.shape[1]
     for r in range(len(batch.keys)):
@@ -115,7 +118,8 @@ def reference_attention(
             scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(seq - (end - start), seq)[:, None]
         k_pos = torch.arange(seq)[None, :]
-        allowed = k_pos <= q_pos
+        allowed = k_pos <= q_pos if key_ends is None else (
+            k_pos < key_ends[start:end, None])
         if sliding_window:
             allowed &= q_pos - k_pos < sliding_window
         if chunk_size:

@@ -247,3 +247,25 @@ def test_chunk_and_sink_arguments_are_checked():
         _run(batch, 1.0, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="sinks"):
         _run(batch, 1.0, sinks=torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("splits,window", [(1, None), (1, 5), (3, None)])
+def test_key_ends_let_image_tokens_see_their_whole_image(splits, window):
+    """``key_ends`` (Gemma 3's image blocks): tokens of an image attend to the image's
+    later tokens too; the window still counts from each query; other rows stay causal."""
+    gen = torch.Generator().manual_seed(31 + splits)
+    requests = [(9, 21), (1, 40), (7, 7)]
+    batch = make_batch(requests, 4, 2, 32, 8, torch.float32, gen)
+    ends = []
+    for q_len, seq in requests:
+        pos = torch.arange(seq - q_len, seq)
+        ends.append(pos + 1)
+    ends[0][3:8] = 20  # positions 15..19 form an image ending at 20
+    ends[2][1:4] = 4  # positions 1..3 form an image ending at 4
+    key_ends = torch.cat(ends).to(torch.int32)
+    out = _run(batch, 0.3, num_kv_splits=splits, block_m=16, tile_size=16,
+               sliding_window=window, key_ends=key_ends)
+    expected = reference_attention(batch, 0.3, window, key_ends=key_ends.long())
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    causal = reference_attention(batch, 0.3, window)
+    assert (causal - expected).abs().max() > 1e-3

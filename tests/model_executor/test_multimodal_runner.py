@@ -101,3 +101,17 @@ def test_mrope_positions_inside_and_after_the_prompt(setup):
     np.testing.assert_array_equal(pos[:, 4:], [[2, 3]] * 3)  # text-only: unchanged
     decode = step_of(batch, [0, 1], [12, 6], [1, 1])
     np.testing.assert_array_equal(runner.positions(["a", "t"], decode), [19, 6])
+
+
+def test_key_ends_for_bidirectional_images(setup):
+    model, runner, batch = setup
+    step = step_of(batch, [0, 1], [0, 0], [10, 6])
+    assert runner.key_ends(["a", "t"], step) is None  # FakeVLM attends causally
+    runner.bidirectional = True
+    ends = runner.key_ends(["a", "t"], step)
+    want = np.concatenate([np.arange(1, 11), np.arange(1, 7)])
+    want[3:9] = 9  # a's image [3, 9): its tokens see the whole image
+    np.testing.assert_array_equal(ends, want)
+    assert runner.key_ends(["t"], step_of(batch, [1], [0], [6])) is None
+    with pytest.raises(RuntimeError, match="inside an image"):
+        runner.key_ends(["a"], step_of(batch, [0], [0], [5]))

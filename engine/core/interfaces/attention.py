@@ -115,6 +115,13 @@ class AttentionBatch:
     # Host copies for backends that plan on the CPU (avoid device->host syncs).
     query_start_loc_cpu: Any = None  # numpy int32 [R + 1]
     seq_lens_cpu: Any = None  # numpy int32 [R]
+    # Per new token, the exclusive end (a key position) of what it attends to, where that
+    # reaches past its own position: the tokens of one image attend to each other both
+    # ways (Gemma 3). numpy int64 [T], ``position + 1`` for every other token; never past
+    # the request's ``seq_len``. None: plain causal attention. Backends honour it only
+    # when ``supports_key_ends()``; the window still counts back from each token's own
+    # position.
+    key_ends_cpu: Any = None
 
     @property
     def is_pure_decode(self) -> bool:
@@ -273,6 +280,12 @@ class AttentionBackend(ABC):
     @classmethod
     def supports_encoder_attention(cls) -> bool:
         """Whether the kernels run non-causal encoder layers (``spec.causal`` False)."""
+        return False
+
+    @classmethod
+    def supports_key_ends(cls) -> bool:
+        """Whether prefill queries may attend past their own position up to
+        ``AttentionBatch.key_ends_cpu`` (bidirectional image tokens: Gemma 3)."""
         return False
 
     @classmethod

@@ -16,11 +16,14 @@ from engine.multimodal.encoder_cache import EncoderCacheManager
 
 
 class EncoderInputScheduler:
-    def __init__(self, cache_size: int, budget: int) -> None:
+    def __init__(self, cache_size: int, budget: int, whole_items: bool = False) -> None:
         """``cache_size``: embedding rows the worker's encoder cache holds; ``budget``:
-        rows one step may encode. Both at least the longest prompt, so any item fits."""
+        rows one step may encode. Both at least the longest prompt, so any item fits.
+        ``whole_items``: a chunk never ends inside an item (its tokens attend to each
+        other both ways, so all of them run in one step; --disable-chunked-mm-input)."""
         self.cache = EncoderCacheManager(cache_size)
         self.budget = budget
+        self.whole_items = whole_items
         self._budget_left = budget
         self._encoding: set[str] = set()  # identifiers this step encodes
 
@@ -40,6 +43,8 @@ class EncoderInputScheduler:
                 break
             if feature.end <= num_computed:
                 continue  # its tokens are computed (or came from the prefix cache)
+            if self.whole_items and feature.end > end:  # stop before the item instead
+                return max(0, feature.offset - num_computed), to_encode
             key = feature.identifier
             if key in planned or key in self._encoding or self.cache.has(key):
                 continue

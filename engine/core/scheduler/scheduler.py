@@ -159,7 +159,8 @@ class Scheduler:
         # Images / videos: which step encodes each, and the worker's encoder cache. Any
         # item fits both (a prompt is shorter than max_model_len).
         encoder_rows = max(self.max_num_batched_tokens, self.max_model_len)
-        self.encoder_inputs = EncoderInputScheduler(encoder_rows, encoder_rows)
+        self.encoder_inputs = EncoderInputScheduler(
+            encoder_rows, encoder_rows, scheduler_config.disable_chunked_mm_input)
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_waiting_queue()
@@ -205,6 +206,14 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already scheduled")
+        if request.mm_features and self.encoder_inputs.whole_items:
+            longest = max(f.length for f in request.mm_features)
+            room = self.scheduler_config.max_chunk_tokens
+            if longest > room:
+                raise ValueError(
+                    f"an image of {longest} tokens does not fit one step of {room} tokens, "
+                    "and this model runs an image's tokens in one step (raise "
+                    "max_num_batched_tokens)")
         if not request.prompt_token_ids:
             raise ValueError(f"request {rid!r} has an empty prompt")
         if request.num_prompt_tokens > self.max_model_len:

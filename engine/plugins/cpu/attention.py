@@ -130,6 +130,9 @@ class _Prefill:
     end: int
     seq_len: int
     block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    # Per query, the exclusive end of its keys where some query attends past its own
+    # position (AttentionBatch.key_ends_cpu: bidirectional image tokens); None: causal.
+    key_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -205,6 +208,11 @@ class CPUAttentionMetadata:
             by_kernel = (query_lens <= 1) | (self.seq_lens <= KERNEL_PREFILL_MAX_CONTEXT)
             if batch_invariant_enabled():  # every query token summed as a decode's is
                 by_kernel[:] = True
+            # Queries that attend past their own position take the masked torch path
+            # (the C kernel's keys end at each query's position).
+            ahead = {p.start for p in self.prefills if p.key_ends is not None}
+            if ahead:
+                by_kernel[np.isin(self.query_start_loc[:-1], list(ahead))] = False
             token_req = np.repeat(np.arange(len(query_lens)), query_lens)
             ends = np.cumsum(query_lens)
             # token t of its request's chunk ending at ends[r]: position seq_len - (end - t)
@@ -278,13 +286,16 @@ class CPUAttentionMetadata:
         device = blocks.device
         key_pos = first_block * bs + torch.arange(blocks.shape[0] * bs, device=device)
         query_pos = p.seq_len - q_len + torch.arange(q_len, device=device)
-        mask = key_pos[None, :] <= query_pos[:, None]
+        if p.key_ends is None:
+            mask = key_pos[None, :] <= query_pos[:, None]
+        else:  # some queries see later keys too (their image's tokens)
+            mask = key_pos[None, :] < p.key_ends[:, None]
         if window is not None:
             mask &= key_pos[None, :] > (query_pos - window)[:, None]
         if chunk is not None:
             mask &= key_pos[None, :] >= (query_pos // chunk * chunk)[:, None]
-        causal = q_len == p.seq_len and (window is None or window >= q_len) and (
-            chunk is None or chunk >= q_len)
+        causal = q_len == p.seq_len and p.key_ends is None and (
+            window is None or window >= q_len) and (chunk is None or chunk >= q_len)
         return _KeyPlan(blocks, mask, causal=causal)
 
 
@@ -561,6 +572,10 @@ class CPUAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_key_ends(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_attention_sinks(cls) -> bool:
         return True
 
@@ -645,6 +660,8 @@ class CPUAttentionBackend(AttentionBackend):
                 end=int(qsl[r + 1]),
                 seq_len=int(seq_lens[r]),
                 block_ids=block_tables[r, : -(-int(seq_lens[r]) // bs)],
+                key_ends=_keys_ahead(batch.key_ends_cpu, int(qsl[r]), int(qsl[r + 1]),
+                                     int(seq_lens[r])),
             )
             for r in np.flatnonzero(query_lens > 1)
         ]
@@ -681,6 +698,22 @@ class CPUAttentionBackend(AttentionBackend):
             decode_block_tables=batch.block_tables,
             prefills=[],
         )
+
+
+def _keys_ahead(key_ends: np.ndarray | None, start: int, end: int, seq_len: int
+                ) -> torch.Tensor | None:
+    """A prefill's per-query key ends when some query attends past its own position
+    (``AttentionBatch.key_ends_cpu``), else None."""
+    if key_ends is None:
+        return None
+    ends = np.asarray(key_ends[start:end], dtype=np.int64)
+    positions = seq_len - (end - start) + np.arange(end - start)
+    if (ends > seq_len).any() or (ends <= positions).any():
+        raise ValueError("key_ends must lie after each query's position and within its "
+                         "request's context")
+    if (ends == positions + 1).all():
+        return None
+    return _tensor(ends)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

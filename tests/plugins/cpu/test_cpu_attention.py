@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,13 +148,17 @@ def make_case(
 def reference(
     case: Case, requests, num_heads: int, scale: float, window: int | None, soft_cap=None,
     chunk: int | None = None, sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``chunk``: a query at position p sees keys ``chunk * (p // chunk) ..= p`` only;
-    ``sinks`` ([H]): one more (uncapped, value-less) column of each head's softmax."""
+    ``sinks`` ([H]): one more (uncapped, value-less) column of each head's softmax;
+    ``key_ends`` ([T]): each query's keys end there instead (transformers' Gemma 3 mask:
+    AND(window, OR(causal, same image)))."""
     outs = []
     start = 0
     for (q_len, seq_len), k, v in zip(requests, case.hist_k, case.hist_v):
         q = case.query[start : start + q_len].double()  # [q, H, D]
+        ends = None if key_ends is None else key_ends[start : start + q_len][:, None]
         start += q_len
         group = num_heads // k.shape[1]
         k = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
@@ -163,7 +168,7 @@ def reference(
             scores = soft_cap * torch.tanh(scores / soft_cap)
         qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
         kpos = torch.arange(seq_len)[None, :]
-        allowed = kpos <= qpos
+        allowed = kpos <= qpos if ends is None else kpos < ends
         if window is not None:
             allowed &= kpos > qpos - window
         if chunk is not None:
@@ -510,3 +515,47 @@ def test_sinks_must_be_set_and_encoders_refuse_them():
         assert "encoder" in CPUAttentionBackend.validate(bad, 4)
     assert CPUAttentionBackend.supports_attention_sinks()
     assert CPUAttentionBackend.supports_chunked_local_attention()
+
+
+def image_key_ends(requests, blocks: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """Per token, position + 1, or its image's end for the tokens of an image block
+    ``(start, end)`` (positions) of request ``r``."""
+    ends = []
+    for r, (q_len, seq_len) in enumerate(requests):
+        pos = torch.arange(seq_len - q_len, seq_len)
+        end = pos + 1
+        for lo, hi in blocks.get(r, ()):
+            end = torch.where((pos >= lo) & (pos < hi), torch.tensor(hi), end)
+        ends.append(end)
+    return torch.cat(ends).to(torch.int64)
+
+
+@pytest.mark.parametrize("window", [None, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_max_context", [1024, 20])
+def test_image_tokens_attend_both_ways_within_their_image(window, dtype, kernel_max_context,
+                                                           monkeypatch):
+    """AttentionBatch.key_ends_cpu (Gemma 3): an image's tokens see each other both ways,
+    the window still counts back from each token's own position; other requests of the
+    step (decodes, plain chunks) stay causal."""
+    monkeypatch.setattr(cpu_attention, "KERNEL_PREFILL_MAX_CONTEXT", kernel_max_context)
+    requests = [(1, 33), (16, 40), (7, 7), (1, 17), (12, 30)]
+    blocks = {1: [(27, 33), (35, 38)], 2: [(2, 5)], 4: [(18, 30)]}
+    case = make_case(requests, 4, 2, 16, 8, dtype, seed=5)
+    ends = image_key_ends(requests, blocks)
+    case.batch.key_ends_cpu = ends.numpy()
+    spec = AttentionLayerSpec(4, 16, 2, 0.25, sliding_window=window)
+    out = run_backend(case, spec, 8)
+    ref = reference(case, requests, 4, 0.25, window, key_ends=ends)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+    causal = reference(case, requests, 4, 0.25, window)
+    assert not torch.allclose(ref, causal)  # the blocks change the result
+
+
+def test_key_ends_past_the_context_are_refused():
+    requests = [(4, 10)]
+    case = make_case(requests, 4, 2, 16, 8, torch.float32)
+    case.batch.key_ends_cpu = np.array([8, 11, 11, 11])
+    with pytest.raises(ValueError, match="key_ends"):
+        CPUAttentionBackend(block_size=8, device=CPU).build_metadata(case.batch)
