@@ -244,6 +244,10 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="Keys set on the model's HF config, as a JSON object (vLLM's), e.g. "
                       "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                       "\"classifier_from_token\": [\"no\", \"yes\"]}' for Qwen3-Reranker."),
+    click.option("--disable-chunked-mm-input", "disable_chunked_mm_input", is_flag=True,
+                 default=False,
+                 help="Never end a prompt chunk inside an image (always on for models whose "
+                      "image tokens attend to each other both ways, e.g. Gemma 3)."),
     click.option("--async-scheduling", "async_scheduling", is_flag=True, default=False,
                  help="Schedule the next step while the current one runs (the host's "
                       "scheduling hides behind the model's compute)."),
@@ -295,7 +299,7 @@ ENGINE_OPTION_NAMES = (
     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "runner", "convert", "hf_overrides", "model_impl",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "async_scheduling",
     "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
-    "media_io_timeout",
+    "media_io_timeout", "disable_chunked_mm_input",
 )
 
 
