@@ -11,7 +11,9 @@ results become Responses output items:
   system / developer; content a string or ``input_text`` / ``output_text`` parts),
   ``function_call`` items (an assistant message's ``tool_calls``) and
   ``function_call_output`` items (``tool`` messages); ``reasoning`` items are dropped.
-  Other item and part types (images, files, item references) are a 400 naming the item.
+  ``input_image`` parts (an ``image_url`` string) go to a vision-language model like a
+  chat message's images; other item and part types (files, item references) are a 400
+  naming the item.
   ``instructions`` is a system message first (not carried over by
   ``previous_response_id``, as in OpenAI's API).
 - ``tools``: function tools in the flat form ``{type: function, name, description,
@@ -126,22 +128,34 @@ class ResponseStore:
 
 
 # -- request translation ------------------------------------------------------------------
-def _text_of(content: Any, where: str) -> str:
-    """A message's content as text: a string, or text parts joined."""
+def _text_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat path: a string, or text parts joined; with
+    ``input_image`` parts, chat content parts in order (the image as an ``image_url``
+    part: its URL is loaded like a chat message's)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of input_text parts",
-                          where)
-    texts = []
+        raise bad_request(f"{where}.content must be a string or a list of input_text / "
+                          "input_image parts", where)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise bad_request(f"{where}.content[{j}] (an input_image) needs an image_url "
+                                  "string (file_id is not supported)", where)
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
             raise bad_request(
-                f"{where}.content[{j}] must be an input_text part {{type: input_text, text}}; "
-                f"got type {kind!r} (only text input is supported)", where)
-        texts.append(part["text"])
-    return "".join(texts)
+                f"{where}.content[{j}] must be an input_text part {{type: input_text, text}} "
+                f"or an input_image part {{type: input_image, image_url}}; got type {kind!r}",
+                where)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -197,6 +197,26 @@ def test_base64_png_gives_transformers_tokens(servers):
     assert tokens["tokens"] == list(ids)
 
 
+def test_responses_api_input_image_equals_chat(servers):
+    """/v1/responses takes ``input_image`` parts (an image_url string) like chat's."""
+    server, _, _ = servers["vlm"]
+    url = data_url(png(IMAGE))
+    client = client_for(server)
+    want = client.chat.completions.create(
+        model=SERVED_NAME, messages=image_message(url), max_tokens=MAX_TOKENS,
+        temperature=0).choices[0].message.content
+    response = client.responses.create(
+        model=SERVED_NAME, temperature=0, max_output_tokens=MAX_TOKENS,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                            {"type": "input_text", "text": PROMPT}]}])
+    assert response.output_text == want
+    text_only = servers["text"][0]
+    with pytest.raises(openai.BadRequestError, match="does not accept images"):
+        client_for(text_only).responses.create(
+            model=SERVED_NAME, input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": url}]}])
+
+
 def test_http_and_file_urls_and_two_images(servers, media):
     server, model_dir, reference = servers["vlm"]
     base, allowed = media
