@@ -150,3 +150,20 @@ def test_chat_with_image_parts(setup) -> None:
     for out in outs:
         assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
         assert_greedy_equivalent(setup["hf"], inputs, list(out.outputs[0].token_ids), want)
+
+
+def test_async_scheduling_gives_the_same_tokens(setup) -> None:
+    """Image chunks scheduled one step ahead (--async-scheduling) encode and merge the
+    same rows: tokens equal the serial engine's."""
+    if setup["kind"] != "llava":
+        pytest.skip("one model suffices")
+    requests = [request(f"a {IMAGE_TOKEN} b {i}", [random_image(40 + 3 * i, 30, 20 + i)])
+                for i in range(3)] + [request("text only here")]
+    serial = run(setup, requests)
+    llm = cpu_llm(setup["path"], max_model_len=256, max_num_batched_tokens=BUDGET,
+                  block_size=BUDGET, enable_chunked_prefill=True, async_scheduling=True)
+    try:
+        outs = llm.generate(requests, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == serial
