@@ -71,6 +71,7 @@ PROCESSORS: dict[str, str] = {
     "llava_next": "engine.multimodal.processors.llava:LlavaNextProcessor",
     "qwen2_vl": "engine.multimodal.processors.qwen2_vl:Qwen2VLProcessor",
     "qwen2_5_vl": "engine.multimodal.processors.qwen2_vl:Qwen2_5_VLProcessor",
+    "gemma3": "engine.multimodal.processors.gemma3:Gemma3Processor",
 }
 
 

@@ -45,9 +45,10 @@ def assert_greedy_equivalent(model: Any, inputs: dict[str, torch.Tensor], got: l
 
 
 def engine_prefill_logits(model: Any, embeds: torch.Tensor, ids: torch.Tensor,
-                          positions: torch.Tensor) -> torch.Tensor:
+                          positions: torch.Tensor, key_ends: Any = None) -> torch.Tensor:
     """An engine VLM's logits at every prompt position for ``inputs_embeds``: one
-    prefill through a fresh one-block KV cache."""
+    prefill through a fresh one-block KV cache. ``key_ends``: the batch's
+    ``key_ends_cpu`` (numpy int64 [T]; bidirectional image tokens), None for causal."""
     from engine.core.interfaces import AttentionBatch
     from engine.model_executor.forward_context import ForwardContext, set_forward_context
 
@@ -60,7 +61,7 @@ def engine_prefill_logits(model: Any, embeds: torch.Tensor, ids: torch.Tensor,
         num_reqs=1, num_tokens=n, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
         block_tables=torch.zeros((1, 1), dtype=torch.int32), slot_mapping=torch.arange(n),
-        max_query_len=n, max_seq_len=n)
+        max_query_len=n, max_seq_len=n, key_ends_cpu=key_ends)
     with torch.no_grad(), set_forward_context(ForwardContext(backend.build_metadata(batch),
                                                              caches)):
         return model.compute_logits(model(ids, positions, inputs_embeds=embeds)).float()

@@ -54,6 +54,8 @@ BUILTINS = {
         "engine.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration":
         "engine.model_executor.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration":
+        "engine.model_executor.models.gemma3_mm:Gemma3ForConditionalGeneration",
     # Decoders that only pool (engine.model_executor.models.adapters).
     "LlamaModel": "engine.model_executor.models.adapters:LlamaModel",
     "MistralModel": "engine.model_executor.models.adapters:MistralModel",

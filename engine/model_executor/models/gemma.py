@@ -227,11 +227,21 @@ class GemmaModel(nn.Module):
         if self.is_last_stage:
             self.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, **common)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings (what the first layer sees)."""
+        return self.embed_tokens(input_ids) * self.normalizer
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None
+                intermediate: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor | IntermediateTensors:
+        """``inputs_embeds``: the first stage's input rows, already scaled (as
+        :meth:`embed` returns them; Gemma 3's vision-language model puts its image rows
+        among the *scaled* text rows, as transformers does), so they are not scaled
+        again."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids) * self.normalizer, None
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         ropes = {t: rotary.prepare(positions) for t, rotary in self.rotary.items()}
@@ -283,6 +293,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
             attn_scale=config_head_size(hf_config) ** -0.5,
         )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings (``forward``'s ``inputs_embeds``, which it does
+        not scale again)."""
+        return self.model.embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
