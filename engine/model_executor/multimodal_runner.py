@@ -15,6 +15,7 @@ ends for the attention backend (``AttentionBatch.key_ends_cpu``).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -75,12 +76,11 @@ class MultiModalRunner:
                 self.encoder_cache[feature.identifier] = rows
 
     # -- the step's inputs ----------------------------------------------------------------
-    def inputs_embeds(self, req_ids: list[str], step: StepIndices,
-                      input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The step's input rows with image rows merged, or None when no scheduled token
-        is an image's (the model then embeds the ids itself)."""
-        targets: list[np.ndarray] = []
-        sources: list[torch.Tensor] = []
+    def _covered(self, req_ids: list[str], step: StepIndices
+                 ) -> Iterator[tuple[str, MultiModalFeature, int, int, int]]:
+        """Every (request, item) whose tokens this step computes: ``(req_id, feature,
+        lo, hi, row)`` with ``[lo, hi)`` the item's positions in the step and ``row`` the
+        flat batch index of position ``lo``."""
         for i, req_id in enumerate(req_ids):
             features = self.features.get(req_id)
             if not features:
@@ -90,14 +90,22 @@ class MultiModalRunner:
             end = start + int(step.num_scheduled[i])
             for feature in features:
                 lo, hi = max(feature.offset, start), min(feature.end, end)
-                if lo >= hi:
-                    continue
-                rows = self.encoder_cache.get(feature.identifier)
-                if rows is None:
-                    raise RuntimeError(f"request {req_id}: the encoder output of a "
-                                       f"{feature.modality} it needs is not cached")
-                sources.append(rows[lo - feature.offset : hi - feature.offset])
-                targets.append(np.arange(first + lo - start, first + hi - start))
+                if lo < hi:
+                    yield req_id, feature, lo, hi, first + lo - start
+
+    def inputs_embeds(self, req_ids: list[str], step: StepIndices,
+                      input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's input rows with image rows merged, or None when no scheduled token
+        is an image's (the model then embeds the ids itself)."""
+        targets: list[np.ndarray] = []
+        sources: list[torch.Tensor] = []
+        for req_id, feature, lo, hi, row in self._covered(req_ids, step):
+            rows = self.encoder_cache.get(feature.identifier)
+            if rows is None:
+                raise RuntimeError(f"request {req_id}: the encoder output of a "
+                                   f"{feature.modality} it needs is not cached")
+            sources.append(rows[lo - feature.offset : hi - feature.offset])
+            targets.append(np.arange(row, row + hi - lo))
         if not sources:
             return None
         embeds = self.model.embed_input_ids(input_ids)
@@ -139,23 +147,13 @@ class MultiModalRunner:
         if not self.bidirectional:
             return None
         ends = None
-        for i, req_id in enumerate(req_ids):
-            features = self.features.get(req_id)
-            if not features:
-                continue
-            first = int(step.query_start_loc[i])
-            start = int(step.positions[first])
-            end = start + int(step.num_scheduled[i])
-            for feature in features:
-                lo, hi = max(feature.offset, start), min(feature.end, end)
-                if lo >= hi:
-                    continue
-                if feature.end > end:
-                    raise RuntimeError(f"request {req_id}: a step ends inside an image whose "
-                                       "tokens attend both ways")
-                if ends is None:
-                    ends = step.positions.astype(np.int64) + 1
-                ends[first + lo - start : first + hi - start] = feature.end
+        for req_id, feature, lo, hi, row in self._covered(req_ids, step):
+            if feature.end > hi:
+                raise RuntimeError(f"request {req_id}: a step ends inside an image whose "
+                                   "tokens attend both ways")
+            if ends is None:
+                ends = step.positions.astype(np.int64) + 1
+            ends[row : row + hi - lo] = feature.end
         return ends
 
     @staticmethod

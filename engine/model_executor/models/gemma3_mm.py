@@ -37,13 +37,10 @@ from engine.model_executor.layers.linear import ReplicatedLinear
 from engine.model_executor.layers.norm import GemmaRMSNorm
 from engine.model_executor.lazy_tensor import materialize
 from engine.model_executor.models.gemma import Gemma3ForCausalLM
-from engine.model_executor.models.interface import (
-    IntermediateTensors,
-    ModelInitContext,
-    ModelKVSpec,
-)
+from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llava import canonical_name
 from engine.model_executor.models.siglip import SiglipVisionTower
+from engine.model_executor.models.vlm import VisionLanguageModel
 from engine.model_executor.weight_utils import load_named_weights
 
 _PROJECTION = "mm_input_projection_weight"
@@ -91,32 +88,21 @@ class Gemma3MultiModalProjector(nn.Module):
         return load_named_weights(self, renamed())
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     """One tower pass per image (all of a step's images in one call);
     ``mm_tokens_per_image`` embeddings each."""
 
-    supports_multimodal = True
     bidirectional_mm_attention = True
-    # The model runner refuses pipeline parallelism for vision-language models; say so
-    # here too, so the loader refuses it before building anything.
-    supports_pipeline_parallel = False
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
+        self.init_vlm(hf_config, ctx)
         architecture = type(self).__name__
-        if ctx.quantization is not None:
-            raise ValueError(f"{architecture}: quantized checkpoints are not supported")
-        if not (ctx.is_first_stage and ctx.is_last_stage):
-            raise ValueError(f"{architecture} does not support pipeline parallelism")
         vision_config, text_config = hf_config.vision_config, hf_config.text_config
         vision_type = getattr(vision_config, "model_type", None)
         if vision_type != "siglip_vision_model":
             raise ValueError(f"{architecture}: vision tower model_type {vision_type!r} is "
                              "not supported (only SigLIP, 'siglip_vision_model')")
-        self.config = hf_config
-        self.ctx = ctx
-        self.vocab_size = text_config.vocab_size
-        self.activation_dtype = ctx.dtype
         self.image_token_id = int(hf_config.image_token_id)
         self.vision_tower = SiglipVisionTower(vision_config, ctx)
         self.multi_modal_projector = Gemma3MultiModalProjector(hf_config, ctx)
@@ -158,38 +144,17 @@ class Gemma3ForConditionalGeneration(nn.Module):
             input_ids = torch.where(input_ids == self.image_token_id, 0, input_ids)
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.language_model(input_ids, positions, intermediate, inputs_embeds)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # transformers' Gemma3ForConditionalGeneration applies no final_logit_softcapping
         # (its text-only Gemma3ForCausalLM does; the released checkpoints set none).
         return self.language_model.lm_head(hidden)
 
-    def kv_cache_spec(self) -> ModelKVSpec:
-        return self.language_model.kv_cache_spec()
-
     # -- weights ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Route each tensor to the language model, the tower or the projector."""
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {
-            "language_model.": [], "vision_tower.": [], "multi_modal_projector.": []}
-        unexpected = []
-        for name, tensor in weights:
-            name = canonical_name(name)
-            prefix = next((p for p in parts if name.startswith(p)), None)
-            if prefix is None:
-                unexpected.append(name)
-            else:
-                parts[prefix].append((name[len(prefix):], tensor))
-        if unexpected:
-            raise ValueError(f"unexpected checkpoint tensors: {', '.join(unexpected)}")
+        parts = self.split_weights(
+            weights, ("language_model.", "vision_tower.", "multi_modal_projector."),
+            canonical_name)
         loaded = {"language_model." + n
                   for n in self.language_model.load_weights(parts["language_model."])}
         loaded |= {"vision_tower." + n

@@ -36,11 +36,8 @@ from engine.model_executor.layers.linear import ColumnParallelLinear, RowParalle
 from engine.model_executor.lazy_tensor import materialize
 from engine.model_executor.models.bert import Activation
 from engine.model_executor.models.clip import CLIPVisionTower
-from engine.model_executor.models.interface import (
-    IntermediateTensors,
-    ModelInitContext,
-    ModelKVSpec,
-)
+from engine.model_executor.models.interface import ModelInitContext
+from engine.model_executor.models.vlm import VisionLanguageModel
 from engine.model_executor.weight_utils import load_named_weights
 
 # Language models by text_config.model_type (configs rarely name their architectures).
@@ -101,16 +98,13 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """LLaVA-1.5: one tower pass per image, ``patches (+1 with "full")`` embeddings."""
-
-    supports_multimodal = True
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
+        self.init_vlm(hf_config, ctx)
         architecture = type(self).__name__
-        if ctx.quantization is not None:
-            raise ValueError(f"{architecture}: quantized checkpoints are not supported")
         vision_config, text_config = hf_config.vision_config, hf_config.text_config
         vision_type = getattr(vision_config, "model_type", None)
         if vision_type != "clip_vision_model":
@@ -120,10 +114,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r} is not "
                              "supported ('default' or 'full')")
-        self.config = hf_config
-        self.ctx = ctx
-        self.vocab_size = text_config.vocab_size
-        self.activation_dtype = ctx.dtype
         self.vision_tower = CLIPVisionTower(vision_config, ctx, hf_config.vision_feature_layer)
         num_layers = len(self.vision_tower.feature_layers)
         self.multi_modal_projector = LlavaMultiModalProjector(
@@ -153,25 +143,6 @@ class LlavaForConditionalGeneration(nn.Module):
         pixels = torch.stack([item["pixel_values"] for item in items])
         return list(self.image_features(pixels).to(self.ctx.dtype).unbind(0))
 
-    # -- text ---------------------------------------------------------------------------
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.language_model(input_ids, positions, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def kv_cache_spec(self) -> ModelKVSpec:
-        return self.language_model.kv_cache_spec()
-
     # -- weights ------------------------------------------------------------------------
     def load_own_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
         """The projector's tensors (subclasses add theirs)."""
@@ -181,20 +152,13 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Route each tensor to the language model, the tower or the projector."""
-        text: list[tuple[str, torch.Tensor]] = []
-        vision: list[tuple[str, torch.Tensor]] = []
-        own: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            name = canonical_name(name)
-            if name.startswith("language_model."):
-                text.append((name[len("language_model."):], tensor))
-            elif name.startswith("vision_tower."):
-                vision.append((name[len("vision_tower."):], tensor))
-            else:
-                own.append((name, tensor))
-        loaded = {"language_model." + n for n in self.language_model.load_weights(text)}
-        loaded |= {"vision_tower." + n for n in self.vision_tower.load_weights(vision)}
-        return loaded | self.load_own_weights(own)
+        parts = self.split_weights(weights, ("language_model.", "vision_tower.", ""),
+                                   canonical_name)
+        loaded = {"language_model." + n
+                  for n in self.language_model.load_weights(parts["language_model."])}
+        loaded |= {"vision_tower." + n
+                   for n in self.vision_tower.load_weights(parts["vision_tower."])}
+        return loaded | self.load_own_weights(parts[""])
 
 
 # -- LLaVA-NeXT -------------------------------------------------------------------------

@@ -23,20 +23,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.model_executor.layers.rotary import (
     MRotaryEmbedding,
     mrope_section_from_config,
     rope_scaling_from_config,
 )
-from engine.model_executor.models.interface import (
-    IntermediateTensors,
-    ModelInitContext,
-    ModelKVSpec,
-)
+from engine.model_executor.models.interface import ModelInitContext
 from engine.model_executor.models.llama import DecoderOptions, Qwen2ForCausalLM
 from engine.model_executor.models.qwen2_vl_vision import Qwen2VisionTransformer
+from engine.model_executor.models.vlm import VisionLanguageModel
 
 
 def _mrope_config(text_config: Any) -> Any:
@@ -68,16 +64,13 @@ class Qwen2VLTextModel(Qwen2ForCausalLM):
                                 fused_ops=ctx.fused_ops)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
-    supports_multimodal = True
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
     qwen25 = False
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
-        if not (ctx.is_first_stage and ctx.is_last_stage):
-            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism")
-        self.config, self.ctx = hf_config, ctx
+        self.init_vlm(hf_config, ctx)
         text_config = copy.copy(hf_config.text_config)
         # The head is tied by the composite config (the text config does not say).
         text_config.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -85,25 +78,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.visual = Qwen2VisionTransformer(self.vision, ctx, self.qwen25)
         self.language_model = Qwen2VLTextModel(text_config, ctx)
         self.merge = self.vision.spatial_merge_size
-        # What the model runner reads off a model class.
-        self.vocab_size = text_config.vocab_size
-        self.activation_dtype = ctx.dtype
         self.head_size = self.language_model.head_size
-
-    # -- text -----------------------------------------------------------------------------
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, intermediate, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def kv_cache_spec(self) -> ModelKVSpec:
-        return self.language_model.kv_cache_spec()
 
     # -- vision ---------------------------------------------------------------------------
     def embed_multimodal(self, modality: str, items: list[dict[str, torch.Tensor]]
