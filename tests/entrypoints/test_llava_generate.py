@@ -167,3 +167,25 @@ def test_async_scheduling_gives_the_same_tokens(setup) -> None:
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == serial
+
+
+def test_preempted_image_requests_give_the_same_tokens(setup) -> None:
+    """A KV cache too small for the batch preempts image requests (recomputed later:
+    their images encoded again or taken from the encoder cache); tokens are unchanged."""
+    if setup["kind"] != "llava":
+        pytest.skip("one model suffices")
+    requests = [request(f"a {IMAGE_TOKEN} b {i} more words here",
+                        [random_image(40 + i, 30, 30 + i)]) for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outs = {}
+    for blocks in (None, 17):
+        llm = cpu_llm(setup["path"], max_model_len=64, block_size=4,
+                      num_gpu_blocks_override=blocks, enable_prefix_caching=False)
+        try:
+            result = llm.generate(requests, params, use_tqdm=False)
+            outs[blocks] = [list(o.outputs[0].token_ids) for o in result]
+            preemptions = llm.llm_engine.client.core.scheduler.num_preemptions_total
+        finally:
+            llm.shutdown()
+        assert (preemptions > 0) == (blocks is not None)
+    assert outs[17] == outs[None]
