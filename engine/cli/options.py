@@ -178,6 +178,24 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                  help="How ranks run: mp (local processes; the default for more than one "
                       "rank), ray (actors on a Ray cluster: RAY_ADDRESS or `ray start`), "
                       "uni (one rank, in process)."),
+    click.option("--data-parallel-size", "-dp", "data_parallel_size", type=click.IntRange(1),
+                 default=1, show_default=True,
+                 help="Engine cores, each a whole replica (its own scheduler, KV cache and "
+                      "TP x PP ranks), behind one front end that routes each request to a "
+                      "core by load and shared prompt prefix."),
+    click.option("--data-parallel-size-local", "data_parallel_size_local",
+                 type=click.IntRange(1), default=None,
+                 help="Data-parallel ranks on this machine; must equal --data-parallel-size "
+                      "(multi-node data parallelism is not built yet)."),
+    click.option("--data-parallel-backend", "data_parallel_backend",
+                 type=click.Choice(["mp", "ray"]), default="mp", show_default=True,
+                 help="How data-parallel ranks start: mp (local processes); ray is not "
+                      "built yet."),
+    click.option("--data-parallel-on-rank-failure", "data_parallel_on_rank_failure",
+                 type=click.Choice(["exit", "continue"]), default="exit", show_default=True,
+                 help="When one data-parallel rank dies: exit (the engine fails and the "
+                      "server exits, as vLLM's) or continue (that rank's in-flight requests "
+                      "fail; the other ranks keep serving new ones)."),
     click.option("--enable-expert-parallel", is_flag=True, default=False,
                  help="MoE models: place whole experts across the tensor-parallel ranks "
                       "(tokens go to their experts' ranks by all-to-all) instead of "
@@ -296,6 +314,8 @@ ENGINE_OPTION_NAMES = (
     "batch_invariant", "quantization",
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
+    "data_parallel_size", "data_parallel_size_local", "data_parallel_backend",
+    "data_parallel_on_rank_failure",
     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "runner", "convert", "hf_overrides", "model_impl",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "async_scheduling",
     "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",

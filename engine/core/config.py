@@ -197,10 +197,48 @@ class ParallelConfig(BaseModel):
     # vLLM's names: "mp" (local worker processes), "ray" (a Ray cluster), "uni" (one rank
     # in process); None picks uni for one rank and mp otherwise.
     distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
+    # Data parallelism (engine.core.dp_client): data_parallel_size engine cores, each a
+    # whole replica (its own scheduler, KV cache and TP x PP workers) behind one front
+    # end. Only local ranks started as processes ("mp") exist so far.
+    data_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size_local: int | None = Field(default=None, ge=1)  # None: all local
+    data_parallel_backend: Literal["mp"] = "mp"
+    data_parallel_rank: int = Field(default=0, ge=0)  # this core's rank (set per core)
+    # A dead rank: "exit" fails the whole engine (the server exits, as vLLM's does);
+    # "continue" fails only that rank's requests and routes new ones to the others.
+    data_parallel_on_rank_failure: Literal["exit", "continue"] = "exit"
 
     @property
     def world_size(self) -> int:
+        """Ranks of one replica (one engine core's workers)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")
+    def _check_data_parallel(self) -> "ParallelConfig":
+        size = self.data_parallel_size
+        if self.data_parallel_size_local not in (None, size):
+            raise ValueError(
+                f"data_parallel_size_local ({self.data_parallel_size_local}) must equal "
+                f"data_parallel_size ({size}): multi-node data parallelism (ranks on other "
+                "machines) is not built yet, so every rank runs on this machine")
+        if self.data_parallel_rank >= size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside "
+                             f"data_parallel_size {size}")
+        if size > 1 and self.enable_expert_parallel:
+            raise ValueError(
+                "data parallelism with enable_expert_parallel needs the DP lockstep "
+                "coordinator (every rank steps together so the experts' all-to-all stays "
+                "matched), which is not built yet; without expert parallelism an MoE model "
+                "runs data parallel as independent replicas")
+        return self
+
+    def node_share(self, rank: int) -> tuple[int, int]:
+        """(local rank, local world size) of worker ``rank`` of this core among every
+        worker on the machine: the data-parallel ranks' workers take consecutive slots,
+        so two replicas never pick the same device or the same CPUs."""
+        size_local = self.data_parallel_size_local or self.data_parallel_size
+        local_dp_rank = self.data_parallel_rank % size_local
+        return local_dp_rank * self.world_size + rank, size_local * self.world_size
 
 
 class DeviceConfig(BaseModel):

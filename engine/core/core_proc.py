@@ -44,6 +44,7 @@ logger = logging.getLogger("engine.core.core_proc")
 IDLE_POLL_S = 0.5  # how often an idle core checks that its parent is alive
 SEND_RETRY_S = 0.5  # a blocked send re-checks the parent this often
 CONFIG_FILE = "config.json"
+DP_RANK_ENV = "ENGINE_DP_RANK_TAG"  # "_DP<rank>" in a data-parallel rank's log prefix
 
 
 def ipc_addresses(run_dir: str | Path) -> tuple[str, str]:
@@ -82,6 +83,8 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.shutdown_requested = False
         self._totals = wire.EngineCoreStats(num_kv_blocks=core.num_kv_blocks)
+        # A data-parallel rank reports its KV usage with each step's outputs (routing).
+        self._report_kv_usage = core.config.parallel.data_parallel_size > 1
         self._utilities: dict[str, Callable[..., Any]] = {
             "get_stats": self._get_stats,
             "ping": lambda: True,
@@ -99,6 +102,8 @@ class EngineCoreProc:
                 continue
             outputs = self.core.step()
             if outputs.outputs or outputs.finished_requests:
+                if self._report_kv_usage:
+                    outputs.kv_cache_usage = self.core.scheduler.kv_cache_manager.usage
                 self.send(wire.OUTPUTS, outputs)
 
     def _process_input(self, block: bool) -> None:
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("ENGINE_LOG_LEVEL", "INFO").upper(),
-        format=f"(EngineCore pid={os.getpid()}) %(levelname)s %(name)s: %(message)s",
+        format=f"(EngineCore{os.environ.get(DP_RANK_ENV, '')} pid={os.getpid()}) "
+               "%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     return run_engine_core(args.run_dir, args.parent_pid)

@@ -98,6 +98,38 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
+    @classmethod
+    def merge(cls, ranks: list[EngineCoreStats]) -> EngineCoreStats:
+        """Several data-parallel ranks' stats as one engine's: counts and counters add
+        up (per expert / per draft position / per adapter too), KV usage is the share of
+        all ranks' blocks held, and the grammar-compile snapshot is the first rank's."""
+        if len(ranks) == 1:
+            return ranks[0]
+        merged = cls()
+        for stats in ranks:
+            for name in stats.__struct_fields__:
+                value, total = getattr(stats, name), getattr(merged, name)
+                if isinstance(value, bool):
+                    setattr(merged, name, total or value)
+                elif isinstance(value, (int, float)) and name not in _NOT_ADDED:
+                    setattr(merged, name, total + value)
+                elif isinstance(value, list):
+                    if len(total) < len(value):
+                        total.extend([0] * (len(value) - len(total)))
+                    for i, count in enumerate(value):
+                        total[i] += count
+            for name in ("running_lora_adapters", "waiting_lora_adapters"):
+                total = getattr(merged, name)
+                for adapter, count in getattr(stats, name).items():
+                    total[adapter] = total.get(adapter, 0) + count
+        blocks = merged.num_kv_blocks
+        if blocks:
+            merged.kv_cache_usage = sum(s.kv_cache_usage * s.num_kv_blocks for s in ranks) / blocks
+        merged.moe_expert_parallel_size = ranks[0].moe_expert_parallel_size if ranks else 1
+        merged.max_loras = ranks[0].max_loras if ranks else 0
+        merged.structured_output = ranks[0].structured_output if ranks else {}
+        return merged
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         if not self.prefix_cache_queries_total:
@@ -147,6 +179,9 @@ class EngineCoreStats(msgspec.Struct, gc=False):
             num_accepted_tokens_per_pos=list(self.spec_num_accepted_tokens_per_pos_total),
         )
 
+
+# Fields EngineCoreStats.merge does not add up across ranks.
+_NOT_ADDED = frozenset({"kv_cache_usage", "moe_expert_parallel_size", "max_loras"})
 
 encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)

@@ -136,6 +136,14 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp", "ray", "uni"; None: by world size
     enable_expert_parallel: bool = False  # MoE experts placed whole across the TP ranks
+    # vLLM's data-parallel options (engine.core.dp_client): this many engine cores, each
+    # a whole replica, behind one front end; all local, started as processes ("mp").
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # None: data_parallel_size (all local)
+    data_parallel_backend: str = "mp"
+    # A dead rank: "exit" (vLLM's behaviour: the engine fails, the server exits) or
+    # "continue" (its requests fail; the other ranks keep serving).
+    data_parallel_on_rank_failure: str = "exit"
     trust_remote_code: bool = False
     generation_config: str = "auto"  # "auto", "vllm" or a directory (sampling defaults)
     enforce_eager: bool = False  # no forward graphs for decode steps
@@ -306,12 +314,7 @@ class EngineArgs:
                 disable_chunked_mm_input=self.disable_chunked_mm_input or bool(
                     getattr(files.model_cls, "bidirectional_mm_attention", False)),
             ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-                enable_expert_parallel=self.enable_expert_parallel,
-            ),
+            parallel=self._parallel_config(kv_transfer is not None),
             device=DeviceConfig(
                 device=self.device,
                 attention_backend=self.attention_backend or os.environ.get(ATTENTION_BACKEND_ENV),
@@ -322,6 +325,52 @@ class EngineArgs:
             kv_transfer=kv_transfer,
             lora=self._lora_config(pooler is not None),
         )
+
+    def _parallel_config(self, kv_connector: bool) -> ParallelConfig:
+        """The parallel layout; data-parallel settings that are not built are refused by
+        name here, before a model loads."""
+        self._check_data_parallel(kv_connector)
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_backend=self.data_parallel_backend,
+            data_parallel_on_rank_failure=self.data_parallel_on_rank_failure,
+        )
+
+    def _check_data_parallel(self, kv_connector: bool) -> None:
+        size = self.data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, not {size!r}")
+        if self.data_parallel_backend == "ray":
+            raise ValueError("data_parallel_backend 'ray' (data-parallel ranks placed by Ray, "
+                             "across nodes) is not built yet; use 'mp' (local processes)")
+        if self.data_parallel_backend != "mp":
+            raise ValueError(f"data_parallel_backend must be 'mp', not "
+                             f"{self.data_parallel_backend!r}")
+        if self.data_parallel_size_local not in (None, size):
+            raise ValueError(
+                f"data_parallel_size_local ({self.data_parallel_size_local}) must equal "
+                f"data_parallel_size ({size}): multi-node data parallelism (ranks on other "
+                "machines) is not built yet, so every rank runs on this machine")
+        if self.data_parallel_on_rank_failure not in ("exit", "continue"):
+            raise ValueError("data_parallel_on_rank_failure must be 'exit' or 'continue', "
+                             f"not {self.data_parallel_on_rank_failure!r}")
+        if size == 1:
+            return
+        if self.enable_expert_parallel:
+            raise ValueError(
+                "data_parallel_size > 1 with enable_expert_parallel needs the DP lockstep "
+                "coordinator (every rank steps together so the experts' all-to-all stays "
+                "matched), which is not built yet; without --enable-expert-parallel an MoE "
+                "model runs data parallel as independent replicas")
+        if kv_connector:
+            raise ValueError("data_parallel_size > 1 with a KV connector (kv_transfer_config "
+                             "/ kv_offloading_size) is not supported yet: each rank would "
+                             "need its own connector endpoints")
 
     def _async_scheduling(self, speculative: Any) -> bool:
         """Whether steps overlap; what cannot overlap is refused by name."""

@@ -62,3 +62,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     # Requests the core finished on its own (e.g. aborted by an error), by id.
     finished_requests: list[str] = []
+    # The core's KV cache usage (0-1) after the step; sent by data-parallel ranks only,
+    # for the front end's routing (engine.core.dp_router).
+    kv_cache_usage: float = 0.0

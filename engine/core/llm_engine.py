@@ -104,6 +104,16 @@ class InprocClient:
         self.core.shutdown()
 
 
+def _default_client(config: EngineConfig) -> EngineCoreClient:
+    """The core in this process; with data parallelism one core process per rank (the
+    ranks must step concurrently, so none of them runs in this process)."""
+    if config.parallel.data_parallel_size > 1:
+        from engine.core.dp_client import SyncDPClient
+
+        return SyncDPClient.start(config)
+    return InprocClient(config)
+
+
 def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
     """Tokenizer-side setup shared by the sync and async front ends."""
     from engine.model_executor.model_loader import load_model_files
@@ -154,7 +164,7 @@ def adopt_max_model_len(config: EngineConfig, processor: Processor, client: Any)
     """The max_model_len the engine core runs with (``--max-model-len auto`` is resolved
     after the workers sized the KV cache: an in-process core changed ``config``, a core
     process reports it when ready), set on the front end's config and processors."""
-    ready = getattr(getattr(client, "proc", None), "ready", None)
+    ready = getattr(client, "ready", None)
     length = ready.max_model_len if ready is not None else config.scheduler.max_model_len
     config.scheduler.max_model_len = config.model.max_model_len = length
     processor.max_model_len = length
@@ -170,7 +180,9 @@ class LLMEngine:
         self.config = config
         self.processor, self.tokenizer = build_processor(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = client if client is not None else InprocClient(config)
+        if client is None:
+            client = _default_client(config)
+        self.client = client
         adopt_max_model_len(config, self.processor, self.client)
         self._ids = itertools.count()
         self._spec_seen = SpecDecodingStats()  # a process-backed core's totals, last read

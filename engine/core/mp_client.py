@@ -35,7 +35,7 @@ import zmq.asyncio
 import engine
 from engine.core import core_protocol as wire
 from engine.core.config import EngineConfig
-from engine.core.core_proc import CONFIG_FILE, ipc_addresses
+from engine.core.core_proc import CONFIG_FILE, DP_RANK_ENV, ipc_addresses
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError, EngineStartupError
 
@@ -77,7 +77,7 @@ class CoreProcess:
                     str(os.getpid()),
                 ],
                 stdin=subprocess.DEVNULL,
-                env=_child_env(),
+                env=_child_env(config),
             )
         except BaseException:
             self.input_socket.close(linger=0)
@@ -205,11 +205,15 @@ def _ipc_temp_root() -> str | None:
     return root if len(root) + 40 < _MAX_IPC_PATH else "/tmp"
 
 
-def _child_env() -> dict[str, str]:
-    """Make the child import the same ``engine`` as this process."""
+def _child_env(config: EngineConfig) -> dict[str, str]:
+    """Make the child import the same ``engine`` as this process (and name its
+    data-parallel rank in its log lines)."""
     env = dict(os.environ)
     package_root = str(Path(engine.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    parallel = config.parallel
+    env[DP_RANK_ENV] = (f"_DP{parallel.data_parallel_rank}"
+                        if parallel.data_parallel_size > 1 else "")
     return env
 
 
@@ -249,6 +253,14 @@ class SyncMPClient:
     def num_kv_blocks(self) -> int:
         return self.proc.ready.num_kv_blocks
 
+    @property
+    def ready(self) -> wire.ReadyInfo:
+        return self.proc.ready
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.ready.pid]
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self.proc.send(wire.ADD, request)
         self._in_flight.add(request.request_id)
@@ -268,8 +280,16 @@ class SyncMPClient:
 
     def call_utility(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``method`` in the core between steps and return its result."""
+        return self.wait_utility(self.send_utility(method, *args), method, timeout_s)
+
+    def send_utility(self, method: str, *args: Any) -> int:
+        """Start a utility call; :meth:`wait_utility` takes its result (split so that a
+        front end over several cores starts a collective call on all before waiting)."""
         call_id = next(self._call_ids)
         self.proc.send(wire.UTILITY, wire.UtilityCall(call_id, method, list(args)))
+        return call_id
+
+    def wait_utility(self, call_id: int, method: str, timeout_s: float | None = None) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while call_id not in self._results:
             if deadline is not None and time.monotonic() > deadline:
@@ -305,6 +325,27 @@ class SyncMPClient:
         """One of the core's weight-update utilities by name (EngineCore.update_weights*,
         init_weight_update_group)."""
         self.call_utility(method, *args)
+
+    # -- for a front end over several cores (engine.core.dp_client) ------------------------
+    @property
+    def output_socket(self) -> zmq.Socket:
+        return self.proc.output_socket
+
+    def check_alive(self) -> None:
+        self.proc.check_alive()
+
+    def exited(self) -> bool:
+        return self.proc.exited()
+
+    def take_outputs(self) -> list[EngineCoreOutputs]:
+        """Every step output received so far (without waiting)."""
+        taken = list(self._outputs)
+        self._outputs.clear()
+        return taken
+
+    def receive_once(self) -> None:
+        """Wait up to POLL_S for one message and keep it (outputs: see take_outputs)."""
+        self._receive_once()
 
     def _receive_once(self) -> None:
         """Wait up to POLL_S for one message; raise EngineDeadError if the core died."""
@@ -350,11 +391,23 @@ class AsyncMPClient:
         return self.proc.ready.num_kv_blocks
 
     @property
+    def ready(self) -> wire.ReadyInfo:
+        return self.proc.ready
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.ready.pid]
+
+    @property
     def dead(self) -> EngineDeadError | None:
         return self.proc.dead
 
     def check_alive(self) -> None:
         self.proc.check_alive()
+
+    def exited(self) -> bool:
+        """The core's process has ended (noticed or not)."""
+        return self.proc.exited()
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._ensure_reader()

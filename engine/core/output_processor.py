@@ -380,6 +380,26 @@ class OutputProcessor:
                 state.sink.put_nowait(output)
         return child_ids
 
+    def fail_requests(self, child_ids: list[str], error: BaseException) -> list[str]:
+        """Some engine-core requests were lost (their data-parallel rank died): their
+        parent requests stop, a streaming consumer gets ``error``; return the parents'
+        other unfinished child ids (on other ranks) for the caller to abort."""
+        others: list[str] = []
+        lost = set(child_ids)
+        for child_id in child_ids:
+            entry = self._children.get(child_id)
+            if entry is None:
+                continue
+            state = entry[0]
+            self._requests.pop(state.request_id, None)
+            for child in state.children:
+                if self._children.pop(child.request_id, None) is not None \
+                        and child.request_id not in lost:
+                    others.append(child.request_id)
+            if state.sink is not None:
+                state.sink.put_nowait(error)
+        return others
+
     def propagate_error(self, error: BaseException) -> None:
         """The engine died: wake every streaming consumer with the error."""
         for state in self._requests.values():

@@ -12,6 +12,10 @@ same for one pooling request (``--runner pooling``): one final output, no stream
 If the core dies, every in-flight ``generate`` raises :class:`EngineDeadError` and new
 requests fail at once, until ``restart_core`` starts a fresh core (the server's
 ``--restart-engine-core``).
+
+With ``data_parallel_size > 1`` the client is an :class:`~engine.core.dp_client.AsyncDPClient`
+over one core per rank; under ``data_parallel_on_rank_failure="continue"`` a dead rank
+fails only its own requests (a ``RankDeadError`` naming them) and the engine serves on.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any
 from engine.core.beam_search import BeamSearchInstance, BeamSearchParams, eos_ids_of
 from engine.core.config import EngineConfig
 from engine.core.core_protocol import EngineCoreStats, describe_exception
+from engine.core.dp_client import RankDeadError, check_supported, start_async_client
 from engine.core.engine_args import EngineArgs
 from engine.core.errors import EngineDeadError, EngineSleepingError
 from engine.core.llm_engine import adopt_max_model_len, build_processor
-from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
+from engine.core.mp_client import STARTUP_TIMEOUT_S
 from engine.core.output_collector import RequestOutputCollector
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import PoolingRequestOutput, RequestOutput
@@ -55,8 +60,9 @@ class AsyncLLM:
         self.model_name = config.model.served_model_name or config.model.model
         self.max_model_len = config.scheduler.max_model_len
         self._startup_timeout_s = startup_timeout_s
-        # Blocks until the core has loaded the model (or raises EngineStartupError).
-        self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        # Blocks until the core has loaded the model (or raises EngineStartupError); with
+        # data parallelism, one core per rank behind an AsyncDPClient.
+        self.client = start_async_client(config, startup_timeout_s=startup_timeout_s)
         # --max-model-len auto: the length the core resolved once the KV cache was sized.
         self.max_model_len = adopt_max_model_len(config, self.processor, self.client)
         self.num_core_restarts = 0
@@ -77,7 +83,7 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         """True once the core has died (it never comes back)."""
-        if self._error is None and self.client.dead is None and self.client.proc.exited():
+        if self._error is None and self.client.dead is None and self.client.exited():
             self._error = self._dead_error()
         return self._error is not None or self.client.dead is not None
 
@@ -92,8 +98,13 @@ class AsyncLLM:
 
     @property
     def core_pid(self) -> int:
-        """The process id of the current engine core."""
-        return self.client.proc.ready.pid
+        """The process id of the current engine core (data parallelism: rank 0's)."""
+        return self.client.pids[0]
+
+    @property
+    def core_pids(self) -> list[int]:
+        """The process id of each engine core, by data-parallel rank."""
+        return list(self.client.pids)
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the core has died or the engine was shut down."""
@@ -273,6 +284,13 @@ class AsyncLLM:
         self._check_usable()
         return await self.client.get_stats()
 
+    async def get_engine_stats(self) -> list[EngineCoreStats | None]:
+        """Each engine core's stats, by data-parallel rank (None: a dead rank)."""
+        self._check_usable()
+        if hasattr(self.client, "get_engine_stats"):
+            return await self.client.get_engine_stats()
+        return [await self.client.get_stats()]
+
     async def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False while requests hold blocks."""
         self._check_usable()
@@ -356,6 +374,7 @@ class AsyncLLM:
         """Load tensors of a trainer in this process (shared memory / CUDA IPC)."""
         from engine.model_executor.weight_update import share_tensors
 
+        check_supported(self.config, "update_weights_from_tensors")
         handles = share_tensors(named_tensors, self.config.parallel.world_size)
         await self._update("update_weights_from_tensors", handles)
 
@@ -399,7 +418,13 @@ class AsyncLLM:
         client, output_processor = self.client, self.output_processor
         try:
             while True:
-                outputs = await client.get_output()
+                try:
+                    outputs = await client.get_output()
+                except RankDeadError as error:  # one data-parallel rank; the others serve
+                    others = output_processor.fail_requests(error.request_ids, error)
+                    if others:
+                        client.abort_requests_nowait(others)
+                    continue
                 result = output_processor.process_outputs(outputs.outputs)
                 if result.reqs_to_abort:
                     client.abort_requests_nowait(result.reqs_to_abort)
@@ -445,7 +470,7 @@ class AsyncLLM:
         self.client.shutdown()  # reaps the old process, closes its sockets and run dir
         started = time.monotonic()
         client = await _in_thread(
-            lambda: AsyncMPClient(self.config, startup_timeout_s=self._startup_timeout_s)
+            lambda: start_async_client(self.config, startup_timeout_s=self._startup_timeout_s)
         )
         if self._closed:  # shut down while the new core was loading
             client.shutdown()

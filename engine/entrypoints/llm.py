@@ -340,8 +340,10 @@ class LLM(PoolingAPI):
         """Load tensors of a trainer in this process (HF checkpoint names), passed to
         every rank without a copy: shared memory on the CPU (the tensors move into it),
         CUDA IPC handles on GPUs, both through torch.multiprocessing's reductions."""
+        from engine.core.dp_client import check_supported
         from engine.model_executor.weight_update import share_tensors
 
+        check_supported(self.llm_engine.config, "update_weights_from_tensors")
         handles = share_tensors(named_tensors, self.llm_engine.config.parallel.world_size)
         with self._engine_lock:
             self.llm_engine.client.update_weights("update_weights_from_tensors", handles)

@@ -198,6 +198,10 @@ class UniProcExecutor(Executor):
         self._step_thread: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(1, thread_name_prefix="engine-step")
             if config.scheduler.async_scheduling else None)
+        if config.parallel.data_parallel_size > 1:
+            # One replica of several on this machine: its own device / share of the CPUs
+            # (on the thread that runs the model: device selection is per thread).
+            self._on_worker_thread(platform.bind_worker, *config.parallel.node_share(0))
         self.worker = self._on_worker_thread(Worker, config, platform)
         capacity = self._on_worker_thread(self.worker.load)
         self.kv_cache_layout = self.worker.kv_cache_layout

@@ -45,8 +45,10 @@ class MultiprocExecutor(WorkerGroupExecutor):
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks meet on loopback
         for rank in range(self.world_size):
-            spec = self.worker_spec(rank, init_method, local_rank=rank,
-                                    local_world_size=self.world_size, parent_pid=os.getpid())
+            # Data-parallel replicas on this machine take consecutive slots (devices, CPUs).
+            local_rank, local_world_size = self.config.parallel.node_share(rank)
+            spec = self.worker_spec(rank, init_method, local_rank=local_rank,
+                                    local_world_size=local_world_size, parent_pid=os.getpid())
             proc = subprocess.Popen(
                 [sys.executable, "-m", "engine.model_executor.worker_proc"],
                 stdin=subprocess.PIPE, env=env,

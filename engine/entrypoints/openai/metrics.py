@@ -26,6 +26,9 @@ Two sources:
   Unix time as the value (the latest sample is the current state).
 
 Names follow vLLM's with an ``engine:`` prefix (``engine:num_requests_running`` ...).
+With data parallelism every series from the cores' stats carries an ``engine="<rank>"``
+label too (vLLM's), one sample per core (a dead rank: zeros and ``engine_healthy`` 0); the
+per-request metrics stay the front end's.
 """
 
 from __future__ import annotations
@@ -59,149 +62,168 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 
 
 class _CoreStatsCollector(Collector):
-    """Exposes the last EngineCoreStats snapshot; ``ServerMetrics.refresh`` updates it."""
+    """Exposes the last EngineCoreStats snapshot; ``ServerMetrics.refresh`` updates it.
+
+    With data parallelism ``engines`` holds one (stats, healthy) per rank and every
+    series gets an ``engine="<rank>"`` label (vLLM's); with one core the series carry
+    ``model_name`` only, as they always have."""
 
     def __init__(self, model_name: str, max_loras: int = 0) -> None:
         self.model_name = model_name
         self.max_loras = max_loras  # 0: LoRA is off
         self.stats = EngineCoreStats()
         self.healthy = True
+        self.engines: list[tuple[EngineCoreStats, bool]] | None = None
+
+    def _samples(self) -> tuple[list[str], list[tuple[list[str], EngineCoreStats, bool]]]:
+        """(label names, [(label values, stats, healthy)] one per engine core)."""
+        if self.engines is None:
+            return ["model_name"], [([self.model_name], self.stats, self.healthy)]
+        return ["model_name", "engine"], [([self.model_name, str(rank)], stats, healthy)
+                                          for rank, (stats, healthy) in enumerate(self.engines)]
 
     def collect(self) -> Iterable[Metric]:
-        labels, value = ["model_name"], [self.model_name]
-        stats = self.stats
+        labels, samples = self._samples()
         gauges = (
-            ("engine:num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("engine:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("engine:num_requests_running", "Requests in the running batch.",
+             lambda s, ok: s.num_running),
+            ("engine:num_requests_waiting", "Requests waiting to be scheduled.",
+             lambda s, ok: s.num_waiting),
             ("engine:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0-1).",
-             stats.kv_cache_usage),
-            ("engine:num_kv_blocks", "KV cache blocks in the pool.", stats.num_kv_blocks),
+             lambda s, ok: s.kv_cache_usage),
+            ("engine:num_kv_blocks", "KV cache blocks in the pool.", lambda s, ok: s.num_kv_blocks),
             ("engine:prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens (0-1).",
-             stats.prefix_cache_hit_rate),
+             lambda s, ok: s.prefix_cache_hit_rate),
             ("engine:engine_healthy", "1 while the engine core is alive, else 0.",
-             1.0 if self.healthy else 0.0),
+             lambda s, ok: 1.0 if ok else 0.0),
         )
-        for name, doc, number in gauges:
+        for name, doc, read in gauges:
             family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(value, float(number))
+            for values, stats, healthy in samples:
+                family.add_metric(values, float(read(stats, healthy)))
             yield family
         counters = (
             ("engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             stats.prefix_cache_queries_total),
+             "prefix_cache_queries_total"),
             ("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             stats.prefix_cache_hits_total),
+             "prefix_cache_hits_total"),
             ("engine:num_preemptions", "Requests preempted for lack of KV blocks.",
-             stats.num_preemptions_total),
+             "num_preemptions_total"),
             ("engine:prompt_tokens_computed", "Prompt tokens the model computed (not "
              "found in the prefix cache nor loaded by a KV connector).",
-             stats.prompt_tokens_computed_total),
+             "prompt_tokens_computed_total"),
         )
-        for name, doc, number in counters:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(value, float(number))
-            yield family
-        if stats.spec_decoding_enabled:
-            yield from self._spec_decoding(labels, value)
-        if stats.moe_expert_tokens_total:
-            yield from self._expert_load(labels, value)
-        if stats.kv_transfer_enabled:
-            yield from self._kv_transfer(labels, value)
-        if self.max_loras or getattr(stats, "max_loras", 0):
-            yield self._lora_info(labels, value)
+        yield from _counter_families(counters, labels, samples)
+        spec = [sample for sample in samples if sample[1].spec_decoding_enabled]
+        if spec:
+            yield from self._spec_decoding(labels, spec)
+        moe = [sample for sample in samples if sample[1].moe_expert_tokens_total]
+        if moe:
+            yield from self._expert_load(labels, moe)
+        kv = [sample for sample in samples if sample[1].kv_transfer_enabled]
+        if kv:
+            yield from self._kv_transfer(labels, kv)
+        if self.max_loras or any(getattr(s, "max_loras", 0) for _, s, _ in samples):
+            yield self._lora_info(labels, samples)
 
-    def _lora_info(self, labels: list[str], value: list[str]) -> Metric:
+    def _lora_info(self, labels: list[str], samples: list) -> Metric:
         """vLLM's lora_requests_info: which adapters have running and waiting requests."""
-        stats = self.stats
-        running = getattr(stats, "running_lora_adapters", None) or {}
-        waiting = getattr(stats, "waiting_lora_adapters", None) or {}
-        max_lora = getattr(stats, "max_loras", 0) or self.max_loras
         family = GaugeMetricFamily(
             "engine:lora_requests_info",
             "Running stats on LoRA requests: the adapters with running and waiting requests "
             "(comma-joined names); the value is the time of the sample.",
             labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        family.add_metric([*value, str(max_lora), ",".join(running), ",".join(waiting)],
-                          time.time())
+        for values, stats, _ in samples:
+            running = getattr(stats, "running_lora_adapters", None) or {}
+            waiting = getattr(stats, "waiting_lora_adapters", None) or {}
+            max_lora = getattr(stats, "max_loras", 0) or self.max_loras
+            family.add_metric([*values, str(max_lora), ",".join(running), ",".join(waiting)],
+                              time.time())
         return family
 
-    def _kv_transfer(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+    def _kv_transfer(self, labels: list[str], samples: list) -> Iterable[Metric]:
         """The KV connector's traffic (disaggregated prefill/decode, external caches)."""
-        stats = self.stats
         counters = (
             ("engine:kv_transfer_bytes_sent", "KV cache bytes sent (saved or pulled).",
-             stats.kv_transfer_bytes_sent_total),
+             "kv_transfer_bytes_sent_total"),
             ("engine:kv_transfer_bytes_received", "KV cache bytes received (loaded).",
-             stats.kv_transfer_bytes_received_total),
-            ("engine:kv_transfer_blocks_sent", "KV blocks sent.",
-             stats.kv_transfer_blocks_sent_total),
+             "kv_transfer_bytes_received_total"),
+            ("engine:kv_transfer_blocks_sent", "KV blocks sent.", "kv_transfer_blocks_sent_total"),
             ("engine:kv_transfer_blocks_received", "KV blocks received.",
-             stats.kv_transfer_blocks_received_total),
+             "kv_transfer_blocks_received_total"),
             ("engine:kv_transfer_seconds", "Seconds spent moving KV blocks.",
-             stats.kv_transfer_seconds_total),
+             "kv_transfer_seconds_total"),
             ("engine:kv_transfer_load_failures", "KV loads that failed (recomputed).",
-             stats.kv_transfer_load_failures_total),
+             "kv_transfer_load_failures_total"),
             ("engine:kv_transfer_loaded_tokens", "Prompt tokens whose KV was loaded.",
-             stats.kv_transfer_loaded_tokens_total),
+             "kv_transfer_loaded_tokens_total"),
         )
-        for name, doc, number in counters:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(value, float(number))
-            yield family
+        yield from _counter_families(counters, labels, samples)
         held = GaugeMetricFamily("engine:kv_transfer_requests_held",
                                  "Finished requests whose KV blocks wait for a consumer.",
                                  labels=labels)
-        held.add_metric(value, float(stats.kv_transfer_blocks_held))
+        for values, stats, _ in samples:
+            held.add_metric(values, float(stats.kv_transfer_blocks_held))
         yield held
 
-    def _expert_load(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+    def _expert_load(self, labels: list[str], samples: list) -> Iterable[Metric]:
         """MoE load balance: routed (token, choice) pairs per expert, and per
         expert-parallel rank (only with --enable-expert-parallel)."""
-        stats = self.stats
         per_expert = CounterMetricFamily(
             "engine:moe_expert_tokens", "Tokens routed to each expert (summed over layers).",
             labels=[*labels, "expert"])
-        for expert, count in enumerate(stats.moe_expert_tokens_total):
-            per_expert.add_metric([*value, str(expert)], float(count))
+        for values, stats, _ in samples:
+            for expert, count in enumerate(stats.moe_expert_tokens_total):
+                per_expert.add_metric([*values, str(expert)], float(count))
         yield per_expert
-        per_rank = stats.moe_rank_tokens_total()
-        if per_rank:
+        ranked = [(values, stats.moe_rank_tokens_total()) for values, stats, _ in samples]
+        ranked = [(values, per_rank) for values, per_rank in ranked if per_rank]
+        if ranked:
             family = CounterMetricFamily(
                 "engine:moe_rank_tokens",
                 "Tokens routed to the experts each expert-parallel rank holds.",
                 labels=[*labels, "rank"])
-            for rank, count in enumerate(per_rank):
-                family.add_metric([*value, str(rank)], float(count))
+            for values, per_rank in ranked:
+                for rank, count in enumerate(per_rank):
+                    family.add_metric([*values, str(rank)], float(count))
             yield family
 
-    def _spec_decoding(self, labels: list[str], value: list[str]) -> Iterable[Metric]:
+    def _spec_decoding(self, labels: list[str], samples: list) -> Iterable[Metric]:
         """vLLM's spec_decode counters (rates are theirs to derive in PromQL; the gauge is
         the lifetime acceptance rate, for a glance without a query)."""
-        stats = self.stats
         counters = (
             ("engine:spec_decode_num_drafts", "Verifications that checked draft tokens.",
-             stats.spec_num_drafts_total),
+             "spec_num_drafts_total"),
             ("engine:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-             stats.spec_num_draft_tokens_total),
+             "spec_num_draft_tokens_total"),
             ("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-             stats.spec_num_accepted_tokens_total),
+             "spec_num_accepted_tokens_total"),
         )
-        for name, doc, number in counters:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(value, float(number))
-            yield family
+        yield from _counter_families(counters, labels, samples)
         per_pos = CounterMetricFamily(
             "engine:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0: the first draft).",
             labels=[*labels, "position"])
-        for position, accepted in enumerate(stats.spec_num_accepted_tokens_per_pos_total):
-            per_pos.add_metric([*value, str(position)], float(accepted))
-        yield per_pos
         rate = GaugeMetricFamily(
             "engine:spec_decode_acceptance_rate",
             "Accepted / proposed draft tokens since the engine started (0-1).", labels=labels)
-        spec = stats.spec_decoding_stats()
-        rate.add_metric(value, spec.acceptance_rate if spec is not None else 0.0)
+        for values, stats, _ in samples:
+            for position, accepted in enumerate(stats.spec_num_accepted_tokens_per_pos_total):
+                per_pos.add_metric([*values, str(position)], float(accepted))
+            spec = stats.spec_decoding_stats()
+            rate.add_metric(values, spec.acceptance_rate if spec is not None else 0.0)
+        yield per_pos
         yield rate
+
+
+def _counter_families(counters: Iterable[tuple[str, str, str]], labels: list[str],
+                      samples: list) -> Iterable[Metric]:
+    """One counter family per (name, doc, EngineCoreStats field), a sample per core."""
+    for name, doc, field in counters:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        for values, stats, _ in samples:
+            family.add_metric(values, float(getattr(stats, field)))
+        yield family
 
 
 class _StructuredOutputCollector(Collector):
@@ -324,10 +346,17 @@ class ServerMetrics:
 
     # -- scrape ---------------------------------------------------------------------------
     async def refresh(self, engine) -> None:
-        """Fetch the core's stats (keeping the last snapshot if the core cannot answer)."""
+        """Fetch the core's stats (keeping the last snapshot if the core cannot answer);
+        with data parallelism, each rank's (a dead rank: zeros, unhealthy)."""
+        parallel = getattr(getattr(engine, "config", None), "parallel", None)
+        if parallel is not None and parallel.data_parallel_size > 1 and not engine.errored:
+            await self._refresh_ranks(engine)
+            return
         if engine.errored:
             self._core.healthy = False
             self._core.stats = EngineCoreStats()
+            if self._core.engines is not None:
+                self._core.engines = [(EngineCoreStats(), False)] * len(self._core.engines)
             return
         try:
             self._core.stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
@@ -335,6 +364,18 @@ class ServerMetrics:
         except Exception as exc:  # noqa: BLE001 - a dead or stuck core must not break /metrics
             self._core.healthy = not engine.errored
             logger.warning("could not fetch engine stats for /metrics: %s", exc)
+
+    async def _refresh_ranks(self, engine) -> None:
+        try:
+            ranks = await asyncio.wait_for(engine.get_engine_stats(), STATS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck core must not break /metrics
+            logger.warning("could not fetch engine stats for /metrics: %s", exc)
+            return
+        self._core.engines = [(stats, True) if stats is not None else (EngineCoreStats(), False)
+                              for stats in ranks]
+        self._core.stats = EngineCoreStats.merge([s for s in ranks if s is not None] or
+                                                 [EngineCoreStats()])
+        self._core.healthy = True
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,7 +59,9 @@ def child_pids(parent: int, marker: str) -> list[int]:
 class ServerProcess:
     """One `engine serve` subprocess."""
 
-    def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str]) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str],
+                 num_cores: int = 1) -> None:
+        self.num_cores = num_cores  # engine-core processes (data parallelism: one a rank)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -74,6 +76,7 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - open while the server runs
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.core_pid: int | None = None
+        self.core_pids: list[int] = []
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -86,8 +89,8 @@ class ServerProcess:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     cores = child_pids(self.proc.pid, "engine.core.core_proc")
-                    assert len(cores) == 1, cores
-                    self.core_pid = cores[0]
+                    assert len(cores) == self.num_cores, cores
+                    self.core_pid, self.core_pids = cores[0], cores
                     return
             except httpx.HTTPError:
                 pass
@@ -110,9 +113,9 @@ class ServerProcess:
     def assert_no_orphans(self) -> None:
         assert self.core_pid is not None
         deadline = time.monotonic() + 10
-        while _alive(self.core_pid) and time.monotonic() < deadline:
+        while any(map(_alive, self.core_pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(self.core_pid), "engine core outlived the server"
+        assert not any(map(_alive, self.core_pids)), "engine core outlived the server"
 
 
 @pytest.fixture(scope="module")
