@@ -34,13 +34,13 @@ from engine.core.core_protocol import EngineCoreStats, describe_exception
 from engine.core.dp_client import RankDeadError, check_supported, start_async_client
 from engine.core.engine_args import EngineArgs
 from engine.core.errors import EngineDeadError, EngineSleepingError
-from engine.core.llm_engine import adopt_max_model_len, build_processor
+from engine.frontend.llm_engine import adopt_max_model_len, build_processor
 from engine.core.mp_client import STARTUP_TIMEOUT_S
-from engine.core.output_collector import RequestOutputCollector
-from engine.core.output_processor import OutputProcessor
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.output_processor import OutputProcessor
 from engine.core.outputs import PoolingRequestOutput, RequestOutput
 from engine.core.pooling_params import PoolingParams
-from engine.core.processor import PromptType
+from engine.frontend.processor import PromptType
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.lora.registry import AddedLoRAs
 from engine.lora.request import LoRARequest

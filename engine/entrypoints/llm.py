@@ -15,7 +15,7 @@ from engine.core.beam_search import (
     eos_ids_of,
 )
 from engine.core.engine_args import EngineArgs
-from engine.core.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_defaults import load_sampling_defaults
 from engine.core.sampling_params import RequestOutputKind, SamplingParams

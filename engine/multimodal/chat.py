@@ -269,7 +269,7 @@ def chat_prompt(processor: Any, messages: Sequence[Mapping[str, Any]],
 def chat_template_source(tokenizer: Any, chat_template: str | None = None) -> str | None:
     """The Jinja text a conversation will be rendered with (the given template, a file's
     text, or the tokenizer's default); None when there is none."""
-    from engine.core.chat_template import resolve_chat_template
+    from engine.frontend.chat_template import resolve_chat_template
 
     if chat_template is not None:
         return resolve_chat_template(tokenizer, chat_template)

@@ -34,6 +34,8 @@ class _StubCore:
 
         self.intervals = list(intervals)
         self.structured_output_manager = SimpleNamespace(stats=CompileStats())
+        # One engine core (no data-parallel ranks): no KV usage rides on its outputs.
+        self.config = SimpleNamespace(parallel=SimpleNamespace(data_parallel_size=1))
 
     def get_stats(self) -> SchedulerStats:
         return self.intervals.pop(0)
@@ -143,7 +145,7 @@ def spec_config(llama_dir):
 
 
 def test_llm_engine_spec_stats_are_the_change_since_the_last_call(spec_config):
-    from engine.core.llm_engine import LLMEngine
+    from engine.frontend.llm_engine import LLMEngine
 
     intervals = [
         _interval(SpecDecodingStats(4, 12, 6, [4, 2])),
@@ -157,7 +159,7 @@ def test_llm_engine_spec_stats_are_the_change_since_the_last_call(spec_config):
 
 
 def test_llm_engine_spec_stats_in_process_and_when_off(spec_config):
-    from engine.core.llm_engine import LLMEngine
+    from engine.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(spec_config, client=_InprocStub(
         [_interval(SpecDecodingStats(1, 3, 2, [1, 1, 0])), _interval(None)]))

@@ -18,7 +18,7 @@ import pytest
 from engine import EngineArgs, SamplingParams
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.errors import EngineStartupError
-from engine.core.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.core.mp_client import SyncMPClient
 from engine.core.request import FinishReason
 from engine.entrypoints.llm import LLM

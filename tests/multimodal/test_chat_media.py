@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from engine.core.chat_template import render_chat_template, validate_messages
+from engine.frontend.chat_template import render_chat_template, validate_messages
 from engine.multimodal.chat import (
     chat_prompt,
     chat_template_source,

@@ -10,7 +10,7 @@ import pytest
 
 from engine import EngineArgs, SamplingParams
 from engine.core.engine_io import EngineCoreRequest
-from engine.core.llm_engine import LLMEngine
+from engine.frontend.llm_engine import LLMEngine
 from engine.core.mp_client import SyncMPClient
 from engine.core.request import FinishReason
 from engine.structured_output import StructuredOutputsParams

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from engine.core.chat_template import ROLES
+from engine.frontend.chat_template import ROLES
 
 
 def _integral_number(value: Any) -> Any:

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from engine.core.engine_io import EngineCoreOutput
-from engine.core.output_collector import RequestOutputCollector
-from engine.core.output_processor import OutputProcessor
-from engine.core.processor import Processor
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import Processor
 from engine.core.request import FinishReason
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler.output import LogprobsLists
@@ -215,7 +215,7 @@ def test_inter_token_latencies_are_one_per_step(tok, proc, monkeypatch):
     """n=3 children share each step: one latency per step after the first, measured
     between the steps' clocks (not one mean per request)."""
     ticks = itertools.count()
-    monkeypatch.setattr("engine.core.output_processor.time.monotonic",
+    monkeypatch.setattr("engine.frontend.output_processor.time.monotonic",
                         lambda: 0.25 * next(ticks) ** 2)  # uneven gaps
     results, _, streams = _collect(tok, proc, RequestOutputKind.FINAL_ONLY, n=3)
     metrics = results[-1].metrics

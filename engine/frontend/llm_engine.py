@@ -13,9 +13,9 @@ from typing import Any, Protocol
 from engine.core.config import EngineConfig
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
-from engine.core.output_processor import OutputProcessor
+from engine.frontend.output_processor import OutputProcessor
 from engine.core.outputs import RequestOutput
-from engine.core.processor import Processor
+from engine.frontend.processor import Processor
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler.stats import SpecDecodingStats
 from engine.core.tokenizer import get_eos_token_ids, load_tokenizer
@@ -134,7 +134,7 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
     processor.lora_enabled = config.lora is not None
     processor.multimodal = build_multimodal_processor(config, files, tokenizer)
     if config.model.runner == "pooling":
-        from engine.core.pooling_processor import PoolingModelInfo, PoolingProcessor
+        from engine.frontend.pooling_processor import PoolingModelInfo, PoolingProcessor
 
         info = PoolingModelInfo.of(config.model.pooler_config, files.hf_config, files.path)
         processor.pooling = PoolingProcessor(tokenizer, config.scheduler.max_model_len,
@@ -224,7 +224,7 @@ class LLMEngine:
     def add_pooling_request(self, request_id: str, prompt: Any, params: Any, task: str,
                             *, text_pair: str | None = None, prompt_name: str | None = None,
                             priority: int = 0) -> None:
-        """A pooling request (``--runner pooling``): see engine.core.pooling_processor."""
+        """A pooling request (``--runner pooling``): see engine.frontend.pooling_processor."""
         pooling = self.processor.pooling
         if pooling is None:
             raise ValueError(f"{task} needs a pooling model; this engine generates "

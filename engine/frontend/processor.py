@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from engine.core.chat_template import render_chat_template
+from engine.frontend.chat_template import render_chat_template
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ class ProcessedRequest:
     params: SamplingParams  # resolved copy (max_tokens, stop ids, bad word ids); n as given
     child_requests: list[EngineCoreRequest]
     arrival_time: float
-    # A pooling request's resolved params (engine.core.pooling_processor); None: generate.
+    # A pooling request's resolved params (engine.frontend.pooling_processor); None: generate.
     pooling_params: PoolingParams | None = None
 
     @property
@@ -73,7 +73,7 @@ class Processor:
                 raise ValueError("vocab_size is required when there is no tokenizer")
             vocab_size = len(tokenizer)
         self.vocab_size = vocab_size
-        # The pooling side (engine.core.pooling_processor.PoolingProcessor) of an engine
+        # The pooling side (engine.frontend.pooling_processor.PoolingProcessor) of an engine
         # run with runner "pooling"; None: the engine generates.
         self.pooling: Any = None
         self.lora_enabled = False  # requests may name a LoRA adapter (enable_lora)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from engine.core.stop_strings import StopStringMatcher
+from engine.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.frontend.stop_strings import StopStringMatcher
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
 TEXTS = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.chat_template import render_chat_template
-from engine.core.processor import Processor
+from engine.frontend.chat_template import render_chat_template
+from engine.frontend.processor import Processor
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import TokenDecoder, get_eos_token_ids, load_tokenizer
 from tests.helpers.tiny_tokenizer import CHAT_TEMPLATE, make_tokenizer

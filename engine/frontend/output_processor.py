@@ -26,9 +26,9 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.core.engine_io import EngineCoreOutput, EngineCoreRequest
-from engine.core.logprobs import chosen_logprob_sum, convert_logprobs
+from engine.frontend.logprobs import chosen_logprob_sum, convert_logprobs
 from engine.core.outputs import (
     CompletionOutput,
     PoolingOutput,
@@ -37,11 +37,11 @@ from engine.core.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from engine.core.processor import ProcessedRequest
+from engine.frontend.processor import ProcessedRequest
 from engine.core.request import FinishReason
 from engine.core.scheduler.output import LogprobsLists, PooledData
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
-from engine.core.stop_strings import StopStringMatcher
+from engine.frontend.stop_strings import StopStringMatcher
 from engine.core.tokenizer import TokenDecoder
 
 

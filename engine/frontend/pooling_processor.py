@@ -22,7 +22,7 @@ from typing import Any
 from engine.core.engine_io import EngineCoreRequest
 from engine.core.pooling_config import PoolerConfig
 from engine.core.pooling_params import PoolingParams
-from engine.core.processor import ProcessedRequest, PromptType, _as_token_ids
+from engine.frontend.processor import ProcessedRequest, PromptType, _as_token_ids
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 
 # What each pooler task of a model can answer (score on an embedder: cosine similarity
