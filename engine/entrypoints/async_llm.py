@@ -13,7 +13,7 @@ If the core dies, every in-flight ``generate`` raises :class:`EngineDeadError` a
 requests fail at once, until ``restart_core`` starts a fresh core (the server's
 ``--restart-engine-core``).
 
-With ``data_parallel_size > 1`` the client is an :class:`~engine.core.dp_client.AsyncDPClient`
+With ``data_parallel_size > 1`` the client is an :class:`~engine.core.dp_async_client.AsyncDPClient`
 over one core per rank; under ``data_parallel_on_rank_failure="continue"`` a dead rank
 fails only its own requests (a ``RankDeadError`` naming them) and the engine serves on.
 """
@@ -31,17 +31,18 @@ from typing import Any
 from engine.core.beam_search import BeamSearchInstance, BeamSearchParams, eos_ids_of
 from engine.core.config import EngineConfig
 from engine.core.core_protocol import EngineCoreStats, describe_exception
-from engine.core.dp_client import RankDeadError, check_supported, start_async_client
+from engine.core.dp_async_client import start_async_client
+from engine.core.dp_client import RankDeadError, check_supported
 from engine.core.engine_args import EngineArgs
 from engine.core.errors import EngineDeadError, EngineSleepingError
-from engine.frontend.llm_engine import adopt_max_model_len, build_processor
 from engine.core.mp_client import STARTUP_TIMEOUT_S
-from engine.frontend.output_collector import RequestOutputCollector
-from engine.frontend.output_processor import OutputProcessor
 from engine.core.outputs import PoolingRequestOutput, RequestOutput
 from engine.core.pooling_params import PoolingParams
-from engine.frontend.processor import PromptType
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
+from engine.frontend.llm_engine import adopt_max_model_len, build_processor
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import PromptType
 from engine.lora.registry import AddedLoRAs
 from engine.lora.request import LoRARequest
 

@@ -9,7 +9,8 @@ import pytest
 
 from engine.core.config import CacheConfig
 from engine.core.core_protocol import EngineCoreStats, ReadyInfo
-from engine.core.dp_client import AsyncDPClient, RankDeadError
+from engine.core.dp_async_client import AsyncDPClient
+from engine.core.dp_client import RankDeadError
 from engine.core.dp_router import AFFINITY_SLACK, DPRouter
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError
