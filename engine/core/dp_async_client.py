@@ -12,7 +12,7 @@ from engine.core.config import EngineConfig
 from engine.core.dp_client import _DPClientBase, start_cores
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError
-from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient
+from engine.core.mp_client import STARTUP_TIMEOUT_S, AsyncCoreUtilities, AsyncMPClient
 
 
 def start_async_client(config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
@@ -23,7 +23,7 @@ def start_async_client(config: EngineConfig, *, startup_timeout_s: float = START
     return AsyncDPClient.start(config, startup_timeout_s=startup_timeout_s)
 
 
-class AsyncDPClient(_DPClientBase):
+class AsyncDPClient(AsyncCoreUtilities, _DPClientBase):
     """asyncio client over N core processes, for ``AsyncLLM``.
 
     One forwarding task per rank (started on first use, in the running loop) moves that
@@ -131,26 +131,6 @@ class AsyncDPClient(_DPClientBase):
         stats = [s for s in await self.get_engine_stats() if s is not None]
         return wire.EngineCoreStats.merge(stats)
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self.call_utility("reset_prefix_cache"))
-
-    async def sleep(self, level: int = 1) -> None:
-        await self.call_utility("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.call_utility("wake_up", tags)
-
-    async def is_sleeping(self) -> bool:
-        return bool(await self.call_utility("is_sleeping"))
-
-    async def pause_scheduling(self) -> None:
-        await self.call_utility("pause_scheduling")
-
-    async def resume_scheduling(self) -> None:
-        await self.call_utility("resume_scheduling")
-
-    async def update_weights(self, method: str, *args: Any) -> None:
-        await self.call_utility(method, *args)
 
     def shutdown(self) -> None:
         for task in self._forwarders.values():

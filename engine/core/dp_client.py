@@ -41,7 +41,7 @@ from engine.core.config import EngineConfig
 from engine.core.dp_router import DPRouter
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError, EngineStartupError
-from engine.core.mp_client import POLL_S, STARTUP_TIMEOUT_S, SyncMPClient
+from engine.core.mp_client import POLL_S, STARTUP_TIMEOUT_S, CoreUtilities, SyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def _merge(outputs: list[EngineCoreOutputs]) -> EngineCoreOutputs:
     )
 
 
-class SyncDPClient(_DPClientBase):
+class SyncDPClient(CoreUtilities, _DPClientBase):
     """``EngineCoreClient`` over N core processes, for ``LLMEngine`` (offline ``LLM``).
 
     ``get_output`` returns what any rank has produced (merged), waiting on every busy
@@ -347,27 +347,6 @@ class SyncDPClient(_DPClientBase):
 
     def get_stats(self) -> wire.EngineCoreStats:
         return wire.EngineCoreStats.merge([s for s in self.get_engine_stats() if s is not None])
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.call_utility("reset_prefix_cache"))
-
-    def sleep(self, level: int = 1) -> None:
-        self.call_utility("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.call_utility("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return bool(self.call_utility("is_sleeping"))
-
-    def pause_scheduling(self) -> None:
-        self.call_utility("pause_scheduling")
-
-    def abort_all_requests(self) -> int:
-        return int(self.call_utility("abort_all_requests"))
-
-    def resume_scheduling(self) -> None:
-        self.call_utility("resume_scheduling")
 
     def update_weights(self, method: str, *args: Any) -> None:
         self.call_utility(method, *args)

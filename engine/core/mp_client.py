@@ -233,7 +233,59 @@ def _track_finished(in_flight: set[str], outputs: EngineCoreOutputs) -> None:
     in_flight.difference_update(outputs.finished_requests)
 
 
-class SyncMPClient:
+class CoreUtilities:
+    """The core's utility calls as methods, over the client's own ``call_utility``
+    (shared by the one-core client and the data-parallel one, whose ``call_utility`` runs
+    on every rank)."""
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def sleep(self, level: int = 1) -> None:
+        self.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call_utility("is_sleeping"))
+
+    def pause_scheduling(self) -> None:
+        self.call_utility("pause_scheduling")
+
+    def abort_all_requests(self) -> int:
+        return int(self.call_utility("abort_all_requests"))
+
+    def resume_scheduling(self) -> None:
+        self.call_utility("resume_scheduling")
+
+
+class AsyncCoreUtilities:
+    """:class:`CoreUtilities` for the asyncio clients."""
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call_utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.call_utility("is_sleeping"))
+
+    async def pause_scheduling(self) -> None:
+        await self.call_utility("pause_scheduling")
+
+    async def resume_scheduling(self) -> None:
+        await self.call_utility("resume_scheduling")
+
+    async def update_weights(self, method: str, *args: Any) -> None:
+        await self.call_utility(method, *args)
+
+
+class SyncMPClient(CoreUtilities):
     """``EngineCoreClient`` over a core process: ``LLMEngine(config, client=SyncMPClient(config))``.
 
     ``get_output`` blocks until the core sends a step's outputs; with nothing in flight
@@ -300,26 +352,6 @@ class SyncMPClient:
     def get_stats(self) -> wire.EngineCoreStats:
         return msgspec.convert(self.call_utility("get_stats"), wire.EngineCoreStats)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.call_utility("reset_prefix_cache"))
-
-    def sleep(self, level: int = 1) -> None:
-        self.call_utility("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.call_utility("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        return bool(self.call_utility("is_sleeping"))
-
-    def pause_scheduling(self) -> None:
-        self.call_utility("pause_scheduling")
-
-    def abort_all_requests(self) -> int:
-        return int(self.call_utility("abort_all_requests"))
-
-    def resume_scheduling(self) -> None:
-        self.call_utility("resume_scheduling")
 
     def update_weights(self, method: str, *args: Any) -> None:
         """One of the core's weight-update utilities by name (EngineCore.update_weights*,
@@ -365,7 +397,7 @@ class SyncMPClient:
         self.proc.shutdown()
 
 
-class AsyncMPClient:
+class AsyncMPClient(AsyncCoreUtilities):
     """asyncio client over a core process.
 
     A reader task (started on first use, in the running loop) takes every message off the
@@ -447,26 +479,6 @@ class AsyncMPClient:
     async def get_stats(self) -> wire.EngineCoreStats:
         return msgspec.convert(await self.call_utility("get_stats"), wire.EngineCoreStats)
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self.call_utility("reset_prefix_cache"))
-
-    async def sleep(self, level: int = 1) -> None:
-        await self.call_utility("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.call_utility("wake_up", tags)
-
-    async def is_sleeping(self) -> bool:
-        return bool(await self.call_utility("is_sleeping"))
-
-    async def pause_scheduling(self) -> None:
-        await self.call_utility("pause_scheduling")
-
-    async def resume_scheduling(self) -> None:
-        await self.call_utility("resume_scheduling")
-
-    async def update_weights(self, method: str, *args: Any) -> None:
-        await self.call_utility(method, *args)
 
     # -- the reader -------------------------------------------------------------------------
     def _ensure_reader(self) -> None:
