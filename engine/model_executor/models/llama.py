@@ -383,7 +383,9 @@ class LlamaForCausalLM(nn.Module):
         intermediate: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate, inputs_embeds)
+        if inputs_embeds is None:  # family members whose model takes no inputs_embeds
+            return self.model(input_ids, positions, intermediate)
+        return self.model(input_ids, positions, intermediate, inputs_embeds=inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings the first layer would see (``forward``'s
