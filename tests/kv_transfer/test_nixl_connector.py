@@ -347,6 +347,20 @@ def test_layout_mismatch_is_refused_with_both_layouts(cluster):
     assert "2 KV heads x 8" in error and "2 KV heads x 16" in error  # both layouts named
 
 
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of ``pid`` is stopped (state ``T`` in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
+
+
 def test_stalled_or_killed_producer_fails_the_load_without_hanging(cluster):
     k, c = cluster.doomed, cluster.consumer
     # A first load from it works (and leaves its handshake cached) ...
@@ -358,6 +372,7 @@ def test_stalled_or_killed_producer_fails_the_load_without_hanging(cluster):
     # ... then it stops answering (SIGSTOP: its UCX never serves the READ): the transfer
     # times out ...
     os.kill(k.proc.pid, signal.SIGSTOP)
+    _wait_stopped(k.proc.pid)  # the signal lands asynchronously: no READ may beat it
     try:
         start = time.monotonic()
         c("consume", "c", "c-k2", stalled, 8, 0, [40, 41])
