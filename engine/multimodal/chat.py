@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2 import nodes
 
 from engine.multimodal.media import MediaConnector, MediaError
@@ -292,7 +293,7 @@ def template_takes_parts(template_source: str | None) -> bool:
     if not template_source:
         return False
     try:
-        ast = jinja2.Environment().parse(template_source)
+        ast = _PARSER.parse(template_source)
     except jinja2.TemplateSyntaxError:
         return False
     content_names: set[str] = set()  # {% set c = message['content'] %}
@@ -300,6 +301,22 @@ def template_takes_parts(template_source: str | None) -> bool:
         if isinstance(assign.target, nodes.Name) and _is_content(assign.node, set()):
             content_names.add(assign.target.name)
     return any(_is_content(loop.iter, content_names) for loop in ast.find_all(nodes.For))
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %} ... {% endgeneration %}`` (it marks the assistant's
+    tokens for training masks): parsed as its body, so templates using it (LLaVA's) are
+    understood rather than taken for unparsable."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+# Parses (never renders) templates with the tags transformers' chat environment knows.
+_PARSER = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
 
 
 def _is_content(node: nodes.Node, names: set[str]) -> bool:

@@ -20,6 +20,7 @@ from engine import SamplingParams
 from tests.helpers.hf_reference import cpu_llm
 from tests.helpers.vlm_llava import (
     IMAGE_TOKEN,
+    LLAVA_HF_CHAT_TEMPLATE,
     build_llava,
     hf_inputs,
     hf_processor,
@@ -189,3 +190,23 @@ def test_preempted_image_requests_give_the_same_tokens(setup) -> None:
             llm.shutdown()
         assert (preemptions > 0) == (blocks is not None)
     assert outs[17] == outs[None]
+
+
+def test_chat_with_llava_hf_template_takes_typed_parts(setup) -> None:
+    """llava-hf's own chat template loops over typed content parts (and uses
+    transformers' {% generation %} tag): the image part reaches it as {"type": "image"}
+    and the template writes the placeholder; tokens equal transformers' on that text."""
+    if setup["kind"] != "llava":
+        pytest.skip("one model suffices")
+    image = random_image(44, 36, 41)
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                             {"type": "text", "text": "what is this"}]}]
+    [out] = setup["llm"].chat(messages, GREEDY, chat_template=LLAVA_HF_CHAT_TEMPLATE,
+                              use_tqdm=False)
+    text = f"USER: {IMAGE_TOKEN}\nwhat is this ASSISTANT:"
+    processor = hf_processor(setup["path"])
+    inputs = dict(processor(text=[text], images=[image], return_tensors="pt",
+                            add_special_tokens=False))
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert_greedy_equivalent(setup["hf"], inputs, list(out.outputs[0].token_ids),
+                             hf_greedy(setup["hf"], inputs, MAX_TOKENS))

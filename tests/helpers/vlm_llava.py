@@ -25,6 +25,20 @@ NEXT_IMAGE_SIZE = 56
 NEXT_PINPOINTS = [[56, 112], [112, 56], [112, 112]]
 
 
+# llava-hf's template, with transformers' {% generation %} tag on the assistant's text.
+LLAVA_HF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
 def _tokenizer(out: Path) -> Any:
     tok = build_tokenizer(out)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>",

@@ -22,20 +22,12 @@ from engine.multimodal.chat import (
     template_takes_parts,
 )
 from engine.multimodal.media import MediaConnector, MediaError
+from tests.helpers.vlm_llava import LLAVA_HF_CHAT_TEMPLATE as LLAVA_TEMPLATE
 
 PLACEHOLDERS = {"image": "<image>", "video": "<video>"}
 placeholder = PLACEHOLDERS.__getitem__
 
 # LLaVA-1.5's template (llava-hf): iterates content parts and selects them by type.
-LLAVA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}"
-    "{{ message['role'].upper() + ': '}}{% endif %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
 # Qwen2-VL-like: string content or parts, in order.
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
