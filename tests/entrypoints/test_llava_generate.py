@@ -153,11 +153,10 @@ def test_chat_with_image_parts(setup) -> None:
         assert_greedy_equivalent(setup["hf"], inputs, list(out.outputs[0].token_ids), want)
 
 
+@pytest.mark.parametrize("setup", ["llava"], indirect=True)  # one model suffices
 def test_async_scheduling_gives_the_same_tokens(setup) -> None:
     """Image chunks scheduled one step ahead (--async-scheduling) encode and merge the
     same rows: tokens equal the serial engine's."""
-    if setup["kind"] != "llava":
-        pytest.skip("one model suffices")
     requests = [request(f"a {IMAGE_TOKEN} b {i}", [random_image(40 + 3 * i, 30, 20 + i)])
                 for i in range(3)] + [request("text only here")]
     serial = run(setup, requests)
@@ -170,11 +169,10 @@ def test_async_scheduling_gives_the_same_tokens(setup) -> None:
     assert [list(o.outputs[0].token_ids) for o in outs] == serial
 
 
+@pytest.mark.parametrize("setup", ["llava"], indirect=True)  # one model suffices
 def test_preempted_image_requests_give_the_same_tokens(setup) -> None:
     """A KV cache too small for the batch preempts image requests (recomputed later:
     their images encoded again or taken from the encoder cache); tokens are unchanged."""
-    if setup["kind"] != "llava":
-        pytest.skip("one model suffices")
     requests = [request(f"a {IMAGE_TOKEN} b {i} more words here",
                         [random_image(40 + i, 30, 30 + i)]) for i in range(6)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -192,12 +190,11 @@ def test_preempted_image_requests_give_the_same_tokens(setup) -> None:
     assert outs[17] == outs[None]
 
 
+@pytest.mark.parametrize("setup", ["llava"], indirect=True)  # one model suffices
 def test_chat_with_llava_hf_template_takes_typed_parts(setup) -> None:
     """llava-hf's own chat template loops over typed content parts (and uses
     transformers' {% generation %} tag): the image part reaches it as {"type": "image"}
     and the template writes the placeholder; tokens equal transformers' on that text."""
-    if setup["kind"] != "llava":
-        pytest.skip("one model suffices")
     image = random_image(44, 36, 41)
     messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                              {"type": "text", "text": "what is this"}]}]
