@@ -73,3 +73,17 @@ def encoder_attention_context(
     with set_forward_context(ForwardContext(metadata, [], layer_attn_metadata=per_layer)) as ctx:
         yield ctx
 
+
+
+def patch_rows(pixels: torch.Tensor, channels: int, image_size: int, patch: int,
+               tower: str) -> torch.Tensor:
+    """``[N, C, S, S]`` pixels -> ``[N * patches, C * patch * patch]`` rows, row-major
+    patches each flattened (channel, row, column) like a ViT's stride-``patch`` conv
+    kernel, so the patch embedding runs as one GEMM."""
+    n, c, h, w = pixels.shape
+    if c != channels or h != image_size or w != image_size:
+        raise ValueError(f"{tower} tower takes [N, {channels}, {image_size}, {image_size}] "
+                         f"pixels, got {list(pixels.shape)}")
+    g = image_size // patch
+    return pixels.reshape(n, c, g, patch, g, patch).permute(0, 2, 4, 1, 3, 5).reshape(
+        n * g * g, c * patch * patch)

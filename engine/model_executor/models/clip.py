@@ -30,7 +30,7 @@ from engine.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from engine.model_executor.layers.vision import encoder_attention_context
+from engine.model_executor.layers.vision import encoder_attention_context, patch_rows
 from engine.model_executor.lazy_tensor import materialize
 from engine.model_executor.models.bert import Activation
 from engine.model_executor.models.interface import ModelInitContext
@@ -79,15 +79,9 @@ class CLIPVisionEmbeddings(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[N, C, S, S]`` -> ``[N, 1 + patches, dim]`` (class token first)."""
-        n, c, h, w = pixels.shape
-        if c != self.channels or h != self.image_size or w != self.image_size:
-            raise ValueError(f"CLIP tower takes [N, {self.channels}, {self.image_size}, "
-                             f"{self.image_size}] pixels, got {list(pixels.shape)}")
-        p, g = self.patch, self.image_size // self.patch
-        # Row-major patches, each flattened (channel, row, column) like the conv kernel.
-        patches = pixels.reshape(n, c, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(
-            n * g * g, c * p * p)
-        embeds = self.patch_embedding(patches).reshape(n, g * g, -1)
+        n = pixels.shape[0]
+        patches = patch_rows(pixels, self.channels, self.image_size, self.patch, "CLIP")
+        embeds = self.patch_embedding(patches).reshape(n, self.num_patches, -1)
         cls = self.class_embedding.to(embeds.dtype).expand(n, 1, -1)
         return torch.cat([cls, embeds], dim=1) + self.position_embedding.weight.to(embeds.dtype)
 

@@ -96,13 +96,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
-        self.init_vlm(hf_config, ctx)
-        architecture = type(self).__name__
+        self.init_vlm(hf_config, ctx, tower=("siglip_vision_model", "SigLIP"))
         vision_config, text_config = hf_config.vision_config, hf_config.text_config
-        vision_type = getattr(vision_config, "model_type", None)
-        if vision_type != "siglip_vision_model":
-            raise ValueError(f"{architecture}: vision tower model_type {vision_type!r} is "
-                             "not supported (only SigLIP, 'siglip_vision_model')")
         self.image_token_id = int(hf_config.image_token_id)
         self.vision_tower = SiglipVisionTower(vision_config, ctx)
         self.multi_modal_projector = Gemma3MultiModalProjector(hf_config, ctx)

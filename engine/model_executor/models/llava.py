@@ -103,13 +103,8 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     def __init__(self, hf_config: Any, ctx: ModelInitContext) -> None:
         super().__init__()
-        self.init_vlm(hf_config, ctx)
-        architecture = type(self).__name__
+        self.init_vlm(hf_config, ctx, tower=("clip_vision_model", "CLIP"))
         vision_config, text_config = hf_config.vision_config, hf_config.text_config
-        vision_type = getattr(vision_config, "model_type", None)
-        if vision_type != "clip_vision_model":
-            raise ValueError(f"{architecture}: vision tower model_type {vision_type!r} is not "
-                             "supported (only CLIP, 'clip_vision_model')")
         self.strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r} is not "

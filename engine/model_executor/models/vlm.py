@@ -29,9 +29,16 @@ class VisionLanguageModel(nn.Module):
     supports_pipeline_parallel = False
     language_model: nn.Module
 
-    def init_vlm(self, hf_config: Any, ctx: ModelInitContext) -> None:
-        """The checks and attributes every VLM starts with (call before building)."""
+    def init_vlm(self, hf_config: Any, ctx: ModelInitContext,
+                 tower: tuple[str, str] | None = None) -> None:
+        """The checks and attributes every VLM starts with (call before building).
+        ``tower``: the vision config's model_type the class builds and its name (another
+        tower is refused by name)."""
         architecture = type(self).__name__
+        vision_type = getattr(hf_config.vision_config, "model_type", None)
+        if tower is not None and vision_type != tower[0]:
+            raise ValueError(f"{architecture}: vision tower model_type {vision_type!r} is "
+                             f"not supported (only {tower[1]}, {tower[0]!r})")
         if ctx.quantization is not None:
             raise ValueError(f"{architecture}: quantized checkpoints are not supported")
         if not (ctx.is_first_stage and ctx.is_last_stage):
