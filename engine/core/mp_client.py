@@ -233,6 +233,24 @@ def _track_finished(in_flight: set[str], outputs: EngineCoreOutputs) -> None:
     in_flight.difference_update(outputs.finished_requests)
 
 
+class OneCore:
+    """What a client over one core process (``self.proc``) reports about it."""
+
+    proc: CoreProcess
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.proc.ready.num_kv_blocks
+
+    @property
+    def ready(self) -> wire.ReadyInfo:
+        return self.proc.ready
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.ready.pid]
+
+
 class CoreUtilities:
     """The core's utility calls as methods, over the client's own ``call_utility``
     (shared by the one-core client and the data-parallel one, whose ``call_utility`` runs
@@ -285,7 +303,7 @@ class AsyncCoreUtilities:
         await self.call_utility(method, *args)
 
 
-class SyncMPClient(CoreUtilities):
+class SyncMPClient(OneCore, CoreUtilities):
     """``EngineCoreClient`` over a core process: ``LLMEngine(config, client=SyncMPClient(config))``.
 
     ``get_output`` blocks until the core sends a step's outputs; with nothing in flight
@@ -300,18 +318,6 @@ class SyncMPClient(CoreUtilities):
         self._results: dict[int, wire.UtilityResult] = {}
         self._in_flight: set[str] = set()
         self._call_ids = itertools.count()
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.proc.ready.num_kv_blocks
-
-    @property
-    def ready(self) -> wire.ReadyInfo:
-        return self.proc.ready
-
-    @property
-    def pids(self) -> list[int]:
-        return [self.proc.ready.pid]
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.proc.send(wire.ADD, request)
@@ -397,7 +403,7 @@ class SyncMPClient(CoreUtilities):
         self.proc.shutdown()
 
 
-class AsyncMPClient(AsyncCoreUtilities):
+class AsyncMPClient(OneCore, AsyncCoreUtilities):
     """asyncio client over a core process.
 
     A reader task (started on first use, in the running loop) takes every message off the
@@ -417,18 +423,6 @@ class AsyncMPClient(AsyncCoreUtilities):
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._socket: zmq.asyncio.Socket | None = None
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.proc.ready.num_kv_blocks
-
-    @property
-    def ready(self) -> wire.ReadyInfo:
-        return self.proc.ready
-
-    @property
-    def pids(self) -> list[int]:
-        return [self.proc.ready.pid]
 
     @property
     def dead(self) -> EngineDeadError | None:
