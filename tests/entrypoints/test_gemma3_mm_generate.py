@@ -22,7 +22,13 @@ import pytest
 from engine import SamplingParams
 from tests.helpers.hf_reference import cpu_llm
 from tests.helpers.vlm_gemma3 import BOI, build_gemma3, hf_inputs, hf_processor, random_image
-from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
+from tests.helpers.vlm_reference import (
+    assert_greedy_equivalent,
+    check_greedy,
+    generated_ids,
+    hf_greedy,
+    mm_request,
+)
 
 MAX_TOKENS = 8
 BUDGET = 16  # max_num_batched_tokens (and the block size)
@@ -43,35 +49,26 @@ def setup(tmp_path_factory) -> dict[str, Any]:
 
 
 def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
-    outputs = setup["llm"].generate(requests, GREEDY)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return generated_ids(setup["llm"], requests, GREEDY)
 
 
 def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None
           ) -> list[int]:
     inputs = hf_inputs(setup["path"], prompt, images)
-    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
-    assert_greedy_equivalent(setup["hf"], inputs, got, want)
-    return want
-
-
-def request(prompt: str, images: list | None = None) -> dict[str, Any]:
-    if not images:
-        return {"prompt": prompt}
-    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+    return check_greedy(setup["hf"], inputs, got, MAX_TOKENS)
 
 
 def test_one_image(setup) -> None:
     image = random_image(60, 40, 0)
     prompt = f"describe {BOI} now"
-    [got] = run(setup, [request(prompt, [image])])
+    [got] = run(setup, [mm_request(prompt, [image])])
     check(setup, prompt, got, [image])
 
 
 def test_two_images(setup) -> None:
     images = [random_image(60, 40, 1), random_image(24, 64, 2)]
     prompt = f"first {BOI} second {BOI} compare"
-    [got] = run(setup, [request(prompt, images)])
+    [got] = run(setup, [mm_request(prompt, images)])
     check(setup, prompt, got, images)
 
 
@@ -79,8 +76,8 @@ def test_batched_with_text_only_requests(setup) -> None:
     """Image prompts share steps with text-only ones; each equals its reference alone."""
     images = [random_image(50, 50, 3), random_image(64, 24, 4)]
     prompts = [f"a {BOI} b", "just some text here", f"c {BOI} d", "more words"]
-    got = run(setup, [request(prompts[0], [images[0]]), request(prompts[1]),
-                      request(prompts[2], [images[1]]), request(prompts[3])])
+    got = run(setup, [mm_request(prompts[0], [images[0]]), mm_request(prompts[1]),
+                      mm_request(prompts[2], [images[1]]), mm_request(prompts[3])])
     check(setup, prompts[0], got[0], [images[0]])
     check(setup, prompts[1], got[1])
     check(setup, prompts[2], got[2], [images[1]])
@@ -101,15 +98,15 @@ def test_chunk_boundary_inside_an_image_is_moved(setup) -> None:
             break
     else:
         pytest.fail("no prefix puts the image across a chunk boundary")
-    [got] = run(setup, [request(prompt, [image])])
+    [got] = run(setup, [mm_request(prompt, [image])])
     check(setup, prompt, got, [image])
 
 
 def test_prefix_cache_hit_keeps_the_output(setup) -> None:
     image = random_image(45, 60, 6)
     prompt = f"{BOI} the same image again and again, then once more the same"
-    first = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
-    second = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
+    first = setup["llm"].generate([mm_request(prompt, [image])], GREEDY)[0]
+    second = setup["llm"].generate([mm_request(prompt, [image])], GREEDY)[0]
     assert second.num_cached_tokens >= BUDGET
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     check(setup, prompt, list(second.outputs[0].token_ids), [image])
@@ -120,7 +117,7 @@ def test_a_different_image_gives_the_references_different_output(setup) -> None:
     blocks, and the output follows the reference for the new image."""
     prompt = f"{BOI} tell me about it"
     images = [random_image(60, 60, 7), random_image(60, 60, 8)]
-    got = [run(setup, [request(prompt, [image])])[0] for image in images]
+    got = [run(setup, [mm_request(prompt, [image])])[0] for image in images]
     wants = [check(setup, prompt, g, [image]) for g, image in zip(got, images)]
     assert wants[0] != wants[1]  # the images matter to the reference
     assert got[0] != got[1]

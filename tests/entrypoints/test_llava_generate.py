@@ -26,7 +26,13 @@ from tests.helpers.vlm_llava import (
     hf_processor,
     random_image,
 )
-from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
+from tests.helpers.vlm_reference import (
+    assert_greedy_equivalent,
+    check_greedy,
+    generated_ids,
+    hf_greedy,
+    mm_request,
+)
 
 MAX_TOKENS = 8
 BUDGET = 16  # max_num_batched_tokens (and the block size)
@@ -44,35 +50,26 @@ def setup(request, tmp_path_factory) -> dict[str, Any]:
 
 
 def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
-    outputs = setup["llm"].generate(requests, GREEDY)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return generated_ids(setup["llm"], requests, GREEDY)
 
 
 def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None
           ) -> list[int]:
     inputs = hf_inputs(setup["path"], prompt, images)
-    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
-    assert_greedy_equivalent(setup["hf"], inputs, got, want)
-    return want
-
-
-def request(prompt: str, images: list | None = None) -> dict[str, Any]:
-    if not images:
-        return {"prompt": prompt}
-    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+    return check_greedy(setup["hf"], inputs, got, MAX_TOKENS)
 
 
 def test_one_image(setup) -> None:
     image = random_image(60, 40, 0)
     prompt = f"describe {IMAGE_TOKEN} now"
-    [got] = run(setup, [request(prompt, [image])])
+    [got] = run(setup, [mm_request(prompt, [image])])
     check(setup, prompt, got, [image])
 
 
 def test_two_images_of_different_sizes(setup) -> None:
     images = [random_image(60, 40, 1), random_image(24, 64, 2)]
     prompt = f"first {IMAGE_TOKEN} second {IMAGE_TOKEN} compare"
-    [got] = run(setup, [request(prompt, images)])
+    [got] = run(setup, [mm_request(prompt, images)])
     check(setup, prompt, got, images)
 
 
@@ -80,8 +77,8 @@ def test_batched_with_text_only_requests(setup) -> None:
     """Image prompts share steps with text-only ones; each equals its reference alone."""
     images = [random_image(50, 50, 3), random_image(64, 24, 4)]
     prompts = [f"a {IMAGE_TOKEN} b", "just some text here", f"c {IMAGE_TOKEN} d", "more words"]
-    got = run(setup, [request(prompts[0], [images[0]]), request(prompts[1]),
-                      request(prompts[2], [images[1]]), request(prompts[3])])
+    got = run(setup, [mm_request(prompts[0], [images[0]]), mm_request(prompts[1]),
+                      mm_request(prompts[2], [images[1]]), mm_request(prompts[3])])
     check(setup, prompts[0], got[0], [images[0]])
     check(setup, prompts[1], got[1])
     check(setup, prompts[2], got[2], [images[1]])
@@ -101,15 +98,15 @@ def test_chunked_prefill_across_an_image(setup) -> None:
             break
     else:
         pytest.fail("no prefix puts the image across a chunk boundary")
-    [got] = run(setup, [request(prompt, [image])])
+    [got] = run(setup, [mm_request(prompt, [image])])
     check(setup, prompt, got, [image])
 
 
 def test_prefix_cache_hit_keeps_the_output(setup) -> None:
     image = random_image(45, 60, 6)
     prompt = f"{IMAGE_TOKEN} the same image again and again, then once more the same"
-    first = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
-    second = setup["llm"].generate([request(prompt, [image])], GREEDY)[0]
+    first = setup["llm"].generate([mm_request(prompt, [image])], GREEDY)[0]
+    second = setup["llm"].generate([mm_request(prompt, [image])], GREEDY)[0]
     assert second.num_cached_tokens >= BUDGET
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     check(setup, prompt, list(second.outputs[0].token_ids), [image])
@@ -120,7 +117,7 @@ def test_a_different_image_gives_the_references_different_output(setup) -> None:
     first image's blocks, and the output follows the reference for the new image."""
     prompt = f"{IMAGE_TOKEN} tell me about it"
     images = [random_image(60, 60, 7), random_image(60, 60, 8)]
-    got = [run(setup, [request(prompt, [image])])[0] for image in images]
+    got = [run(setup, [mm_request(prompt, [image])])[0] for image in images]
     wants = [check(setup, prompt, g, [image]) for g, image in zip(got, images)]
     assert wants[0] != wants[1]  # the images matter to the reference
     assert got[0] != got[1]
@@ -157,8 +154,8 @@ def test_chat_with_image_parts(setup) -> None:
 def test_async_scheduling_gives_the_same_tokens(setup) -> None:
     """Image chunks scheduled one step ahead (--async-scheduling) encode and merge the
     same rows: tokens equal the serial engine's."""
-    requests = [request(f"a {IMAGE_TOKEN} b {i}", [random_image(40 + 3 * i, 30, 20 + i)])
-                for i in range(3)] + [request("text only here")]
+    requests = [mm_request(f"a {IMAGE_TOKEN} b {i}", [random_image(40 + 3 * i, 30, 20 + i)])
+                for i in range(3)] + [mm_request("text only here")]
     serial = run(setup, requests)
     llm = cpu_llm(setup["path"], max_model_len=256, max_num_batched_tokens=BUDGET,
                   block_size=BUDGET, enable_chunked_prefill=True, async_scheduling=True)
@@ -173,7 +170,7 @@ def test_async_scheduling_gives_the_same_tokens(setup) -> None:
 def test_preempted_image_requests_give_the_same_tokens(setup) -> None:
     """A KV cache too small for the batch preempts image requests (recomputed later:
     their images encoded again or taken from the encoder cache); tokens are unchanged."""
-    requests = [request(f"a {IMAGE_TOKEN} b {i} more words here",
+    requests = [mm_request(f"a {IMAGE_TOKEN} b {i} more words here",
                         [random_image(40 + i, 30, 30 + i)]) for i in range(6)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     outs = {}

@@ -28,7 +28,10 @@ from tests.helpers.vlm_qwen2vl import (
     hf_inputs,
     random_image,
 )
-from tests.helpers.vlm_reference import assert_greedy_equivalent, hf_greedy
+from tests.helpers.vlm_reference import (
+    check_greedy,
+    generated_ids,
+)
 
 MAX_TOKENS = 8
 # min_tokens: the EOS logit masked until then, as transformers' min_new_tokens does.
@@ -56,16 +59,13 @@ def frames(n: int, width: int, height: int, seed: int) -> list:
 
 
 def run(setup: dict[str, Any], requests: list[dict[str, Any]]) -> list[list[int]]:
-    outputs = setup["llm"].generate(requests, GREEDY)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return generated_ids(setup["llm"], requests, GREEDY)
 
 
 def check(setup: dict[str, Any], prompt: str, got: list[int], images: list | None = None,
           video: dict[str, torch.Tensor] | None = None) -> list[int]:
     inputs = hf_inputs(setup["path"], prompt, images, video)
-    want = hf_greedy(setup["hf"], inputs, MAX_TOKENS)
-    assert_greedy_equivalent(setup["hf"], inputs, got, want)
-    return want
+    return check_greedy(setup["hf"], inputs, got, MAX_TOKENS)
 
 
 def video_tensors(setup: dict[str, Any], video: list) -> dict[str, torch.Tensor]:

@@ -65,3 +65,24 @@ def engine_prefill_logits(model: Any, embeds: torch.Tensor, ids: torch.Tensor,
     with torch.no_grad(), set_forward_context(ForwardContext(backend.build_metadata(batch),
                                                              caches)):
         return model.compute_logits(model(ids, positions, inputs_embeds=embeds)).float()
+
+
+def mm_request(prompt: str, images: list | None = None) -> dict[str, Any]:
+    """An engine prompt: the text alone, or vLLM's dict with its images."""
+    if not images:
+        return {"prompt": prompt}
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}
+
+
+def generated_ids(llm: Any, requests: list[Any], params: Any) -> list[list[int]]:
+    """The engine's token ids for each request (one sample each)."""
+    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
+
+
+def check_greedy(model: Any, inputs: dict[str, torch.Tensor], got: list[int],
+                 max_tokens: int) -> list[int]:
+    """``got`` equals transformers' greedy continuation of ``inputs`` (up to a verified
+    near-tie); returns transformers' tokens."""
+    want = hf_greedy(model, inputs, max_tokens)
+    assert_greedy_equivalent(model, inputs, got, want)
+    return want
