@@ -150,7 +150,12 @@ class CoreProcess:
     def send(self, tag: bytes, message: Any) -> None:
         """Send without ever blocking on a dead core (a PUSH with no peer would wait)."""
         self.check_alive()
-        frames = [tag, wire.encoder.encode(message)]
+        try:
+            payload = wire.encoder.encode(message)
+        except OverflowError as exc:  # e.g. a schema's integer past 64 bits: the client's
+            raise ValueError(f"the request holds a value the engine cannot carry: {exc}"
+                             ) from exc
+        frames = [tag, payload]
         stalled_since = None
         while True:
             try:

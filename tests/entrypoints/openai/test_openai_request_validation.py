@@ -203,6 +203,16 @@ def test_huge_integers_in_float_fields_are_400(client):
         assert error["param"] == "temperature"
 
 
+def test_integers_past_64_bits_inside_a_schema_are_400(client):
+    """msgpack (the front end -> core wire) carries 64-bit integers only: a schema's
+    bigger enum value is the client's error, not a 500."""
+    body = json.dumps(valid_body("/v1/chat/completions"))[:-1] + (
+        ', "response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+        '"schema": {"type": "integer", "enum": [18446744073709551616]}}}}')
+    error = post(client, "/v1/chat/completions", body)
+    assert "cannot carry" in error["message"]
+
+
 # -- strict types and ranges -----------------------------------------------------------------
 def test_detokenize_takes_only_integer_token_ids(client, engine):
     for tokens in ([False], [True], [1, False], [1.5], ["1"], [None], [-1],
