@@ -207,11 +207,23 @@ class ParallelConfig(BaseModel):
     # A dead rank: "exit" fails the whole engine (the server exits, as vLLM's does);
     # "continue" fails only that rank's requests and routes new ones to the others.
     data_parallel_on_rank_failure: Literal["exit", "continue"] = "exit"
+    # Where DP rank 0's engine core hosts the ranks' rendezvous store (the lockstep sync
+    # group and the expert-parallel world of an MoE model; engine.distributed.dp_lockstep).
+    # Port 0: the front end picks a free one when it starts the ranks.
+    data_parallel_master_ip: str = "127.0.0.1"
+    data_parallel_master_port: int = Field(default=0, ge=0, le=65535)
 
     @property
     def world_size(self) -> int:
         """Ranks of one replica (one engine core's workers)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def dp_lockstep(self) -> bool:
+        """MoE expert parallelism across data-parallel ranks (EP = DP x TP): every rank
+        steps together, a rank with no work running a dummy forward, so the experts'
+        all-to-all stays matched."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
 
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "ParallelConfig":
@@ -224,12 +236,18 @@ class ParallelConfig(BaseModel):
         if self.data_parallel_rank >= size:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside "
                              f"data_parallel_size {size}")
-        if size > 1 and self.enable_expert_parallel:
-            raise ValueError(
-                "data parallelism with enable_expert_parallel needs the DP lockstep "
-                "coordinator (every rank steps together so the experts' all-to-all stays "
-                "matched), which is not built yet; without expert parallelism an MoE model "
-                "runs data parallel as independent replicas")
+        if self.dp_lockstep:
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "data parallelism with expert parallelism runs its ranks in lockstep, "
+                    "one forward per step; with pipeline_parallel_size > 1 the stages' "
+                    "micro-batches would have to stay matched across ranks too, which is "
+                    "not built: use tensor parallelism inside each rank")
+            if self.data_parallel_on_rank_failure == "continue":
+                raise ValueError(
+                    "data_parallel_on_rank_failure='continue' cannot hold with expert "
+                    "parallelism across data-parallel ranks: a dead rank takes its experts "
+                    "with it, so every rank stops (use 'exit')")
         return self
 
     def node_share(self, rank: int) -> tuple[int, int]:

@@ -35,6 +35,7 @@ import zmq
 from engine.core import core_protocol as wire
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs
 from engine.core.request import FinishReason
+from engine.distributed.dp_lockstep import PeerRankLost
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine.core.core_proc")
 
 IDLE_POLL_S = 0.5  # how often an idle core checks that its parent is alive
+PEER_LOST_GRACE_S = 5.0  # a lockstep rank whose peer left waits this long for its SIGTERM
 SEND_RETRY_S = 0.5  # a blocked send re-checks the parent this often
 CONFIG_FILE = "config.json"
 DP_RANK_ENV = "ENGINE_DP_RANK_TAG"  # "_DP<rank>" in a data-parallel rank's log prefix
@@ -93,6 +95,9 @@ class EngineCoreProc:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
+        if self.core.dp_lockstep is not None:
+            self._run_lockstep()
+            return
         while not self.shutdown_requested:
             busy = self.core.has_unfinished_requests()
             self._process_input(block=not busy)
@@ -100,11 +105,36 @@ class EngineCoreProc:
                 self.core.check_health()
             if self.shutdown_requested or not self.core.has_unfinished_requests():
                 continue
-            outputs = self.core.step()
-            if outputs.outputs or outputs.finished_requests:
-                if self._report_kv_usage:
-                    outputs.kv_cache_usage = self.core.scheduler.kv_cache_manager.usage
-                self.send(wire.OUTPUTS, outputs)
+            self._send_step_outputs(self.core.step())
+
+    def _run_lockstep(self) -> None:
+        """The loop of a data-parallel rank whose experts span the ranks: every
+        iteration the cores agree whether any has work; if so every core steps (a dummy
+        forward where it has none), so each forward's all-to-all finds every rank."""
+        sync = self.core.dp_lockstep
+        while not self.shutdown_requested:
+            busy = self.core.has_unfinished_requests()
+            # Idle everywhere: wait (bounded) for a request or the front end's WAKE.
+            self._process_input(block=not busy and not sync.wave_running)
+            if not busy:
+                self.core.check_health()
+            if self.shutdown_requested:
+                return
+            try:
+                if not sync.any_busy(self.core.has_unfinished_requests()):
+                    continue
+            except PeerRankLost:
+                # A shutdown stops the ranks one after another: ours is on its way (the
+                # signal ends this wait cleanly). Else a rank died: this one fails too.
+                time.sleep(PEER_LOST_GRACE_S)
+                raise
+            self._send_step_outputs(self.core.step())
+
+    def _send_step_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.outputs or outputs.finished_requests:
+            if self._report_kv_usage:
+                outputs.kv_cache_usage = self.core.scheduler.kv_cache_manager.usage
+            self.send(wire.OUTPUTS, outputs)
 
     def _process_input(self, block: bool) -> None:
         """Handle every pending message; when ``block``, first wait for one (bounded)."""
@@ -126,6 +156,8 @@ class EngineCoreProc:
             self.core.abort_requests(wire.abort_decoder.decode(payload))
         elif tag == wire.UTILITY:
             self._call_utility(wire.utility_call_decoder.decode(payload))
+        elif tag == wire.WAKE:
+            pass  # it has done its work: the wait for input is over
         else:
             raise ValueError(f"unknown message tag {tag!r} from the front end")
 
@@ -191,8 +223,14 @@ class EngineCoreProc:
         if interval.expert_load is not None:
             totals.add_expert_load(interval.expert_load)
             parallel = self.core.config.parallel
-            totals.moe_expert_parallel_size = (parallel.tensor_parallel_size
-                                               if parallel.enable_expert_parallel else 1)
+            totals.moe_expert_parallel_size = (
+                parallel.tensor_parallel_size * parallel.data_parallel_size
+                if parallel.dp_lockstep else parallel.tensor_parallel_size
+                if parallel.enable_expert_parallel else 1)
+        sync = self.core.dp_lockstep
+        if sync is not None:
+            totals.dp_lockstep_waves_total = sync.waves
+            totals.dp_dummy_steps_total = sync.dummy_steps
         totals.structured_output = self.core.structured_output_manager.stats.snapshot()
         totals.max_loras = interval.max_loras
         totals.running_lora_adapters = interval.running_lora_adapters

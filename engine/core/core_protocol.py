@@ -27,6 +27,9 @@ from engine.core.scheduler.stats import SpecDecodingStats
 ADD = b"A"
 ABORT = b"X"
 UTILITY = b"U"
+# No payload: wakes a lockstep data-parallel core waiting for input, so it joins the
+# ranks' next step agreement at once (engine.distributed.dp_lockstep).
+WAKE = b"W"
 # Core -> front end.
 READY = b"R"
 OUTPUTS = b"O"
@@ -78,6 +81,10 @@ class EngineCoreStats(msgspec.Struct, gc=False):
     # size the experts are spread over (consecutive experts per rank); empty: dense.
     moe_expert_tokens_total: list[int] = msgspec.field(default_factory=list)
     moe_expert_parallel_size: int = 1
+    # Lockstep data parallelism (experts shared across ranks): the waves this rank stepped
+    # in, and its dummy steps (nothing of its own scheduled while another rank had work).
+    dp_lockstep_waves_total: int = 0
+    dp_dummy_steps_total: int = 0
     # Prompt tokens the model computed, and prompt tokens whose KV a connector loaded.
     prompt_tokens_computed_total: int = 0
     kv_transfer_loaded_tokens_total: int = 0

@@ -79,6 +79,7 @@ class AsyncDPClient(AsyncCoreUtilities, _DPClientBase):
             rank = self.router.route(request)
             try:
                 await self.clients[rank].add_request(request)
+                self._wake_others(rank)
                 return
             except EngineDeadError as error:
                 self.router.forget([request.request_id])

@@ -105,10 +105,24 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return config.model_copy(update={"parallel": parallel})
 
 
+def with_rendezvous_port(config: EngineConfig) -> EngineConfig:
+    """``config`` with the port where rank 0 hosts the ranks' store (lockstep ranks:
+    engine.distributed.dp_lockstep), a free one when none is set."""
+    parallel = config.parallel
+    if not parallel.dp_lockstep or parallel.data_parallel_master_port:
+        return config
+    from engine.model_executor.multiproc_executor import free_port
+
+    port = free_port(parallel.data_parallel_master_ip)
+    return config.model_copy(update={"parallel": parallel.model_copy(
+        update={"data_parallel_master_port": port})})
+
+
 def start_cores(build: Callable[[EngineConfig], T], config: EngineConfig) -> list[T]:
     """One per-core client per rank, started concurrently (each loads the model); if any
     rank fails, the started ones are shut down and the first failure is raised."""
     size = config.parallel.data_parallel_size
+    config = with_rendezvous_port(config)
     with ThreadPoolExecutor(size, thread_name_prefix="engine-dp-start") as pool:
         futures = [pool.submit(build, rank_config(config, rank)) for rank in range(size)]
         outcomes: list[tuple[T | None, BaseException | None]] = []
@@ -138,6 +152,7 @@ class _DPClientBase(ABC):
         self.clients = list(clients)
         self.config = config
         self.on_failure = config.parallel.data_parallel_on_rank_failure
+        self.lockstep = config.parallel.dp_lockstep
         self.router = DPRouter(len(self.clients), config.cache.block_size)
         self._dead: EngineDeadError | None = None
 
@@ -206,6 +221,18 @@ class _DPClientBase(ABC):
     @abstractmethod
     def _deliver(self, error: EngineDeadError) -> None:
         """Hand ``error`` to whoever reads outputs next."""
+
+    def _wake_others(self, rank: int) -> None:
+        """Lockstep ranks (experts shared across them) start a step together: the ones
+        that did not get the request stop waiting for input."""
+        if not self.lockstep:
+            return
+        for other in self.live_ranks():
+            if other != rank:
+                try:
+                    self.clients[other].wake()
+                except EngineDeadError as error:
+                    self._rank_failed(other, error)
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -283,6 +310,7 @@ class SyncDPClient(CoreUtilities, _DPClientBase):
             rank = self.router.route(request)
             try:
                 self.clients[rank].add_request(request)
+                self._wake_others(rank)
                 return
             except EngineDeadError as error:
                 self.router.forget([request.request_id])

@@ -314,7 +314,7 @@ class EngineArgs:
                 disable_chunked_mm_input=self.disable_chunked_mm_input or bool(
                     getattr(files.model_cls, "bidirectional_mm_attention", False)),
             ),
-            parallel=self._parallel_config(kv_transfer is not None),
+            parallel=self._parallel_config(kv_transfer is not None, speculative),
             device=DeviceConfig(
                 device=self.device,
                 attention_backend=self.attention_backend or os.environ.get(ATTENTION_BACKEND_ENV),
@@ -326,10 +326,10 @@ class EngineArgs:
             lora=self._lora_config(pooler is not None),
         )
 
-    def _parallel_config(self, kv_connector: bool) -> ParallelConfig:
+    def _parallel_config(self, kv_connector: bool, speculative: Any = None) -> ParallelConfig:
         """The parallel layout; data-parallel settings that are not built are refused by
         name here, before a model loads."""
-        self._check_data_parallel(kv_connector)
+        self._check_data_parallel(kv_connector, speculative)
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -341,7 +341,7 @@ class EngineArgs:
             data_parallel_on_rank_failure=self.data_parallel_on_rank_failure,
         )
 
-    def _check_data_parallel(self, kv_connector: bool) -> None:
+    def _check_data_parallel(self, kv_connector: bool, speculative: Any = None) -> None:
         size = self.data_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, not {size!r}")
@@ -362,15 +362,25 @@ class EngineArgs:
         if size == 1:
             return
         if self.enable_expert_parallel:
-            raise ValueError(
-                "data_parallel_size > 1 with enable_expert_parallel needs the DP lockstep "
-                "coordinator (every rank steps together so the experts' all-to-all stays "
-                "matched), which is not built yet; without --enable-expert-parallel an MoE "
-                "model runs data parallel as independent replicas")
+            self._check_dp_lockstep(speculative)
         if kv_connector:
             raise ValueError("data_parallel_size > 1 with a KV connector (kv_transfer_config "
                              "/ kv_offloading_size) is not supported yet: each rank would "
                              "need its own connector endpoints")
+
+    def _check_dp_lockstep(self, speculative: Any) -> None:
+        """Expert parallelism across data-parallel ranks runs exactly one forward per
+        rank per step; what would run a different number on some ranks is refused."""
+        if self.async_scheduling:
+            raise ValueError("async_scheduling with data parallelism and expert parallelism "
+                             "is not supported: the ranks step in lockstep, one step at a "
+                             "time")
+        method = None if speculative is None else speculative.method
+        if method not in (None, "ngram"):
+            raise ValueError(f"speculative decoding with a {method!r} proposer and data "
+                             "parallelism with expert parallelism is not supported: the "
+                             "proposer's forwards would not stay matched across the ranks "
+                             "(n-gram speculation is)")
 
     def _async_scheduling(self, speculative: Any) -> bool:
         """Whether steps overlap; what cannot overlap is refused by name."""

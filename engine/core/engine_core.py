@@ -20,6 +20,7 @@ from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs, EngineCor
 from engine.core.plugins import resolve_platform
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.scheduler.output import SchedulerOutput
 from engine.lora.request import LoRARequest
 
 # While only grammar compiles are pending, a step waits this long for one to finish.
@@ -39,7 +40,19 @@ class EngineCore:
 
         self.config = config
         self.platform = resolve_platform(config.device.device)
+        parallel = config.parallel
+        if parallel.dp_lockstep:  # rank 0 hosts the ranks' store before its workers join it
+            from engine.distributed.dp_lockstep import dp_store
+
+            dp_store(parallel, host=parallel.data_parallel_rank == 0)
         self.executor = make_executor(config, self.platform)
+        # MoE experts shared with the other data-parallel ranks: the cores' step agreement
+        # (engine.distributed.dp_lockstep); None: this core steps on its own.
+        self.dp_lockstep = None
+        if parallel.dp_lockstep:
+            from engine.distributed.dp_lockstep import DPLockstep
+
+            self.dp_lockstep = DPLockstep(parallel)
         self.structured_output_manager = StructuredOutputManager.from_engine_config(
             config, vocab_size=self.executor.vocab_size
         )
@@ -122,10 +135,12 @@ class EngineCore:
         if self._aborted_outputs:
             failed, self._aborted_outputs = self._aborted_outputs + failed, []
         if self.scheduling_paused:
+            self._lockstep_dummy_step()
             return self._paused_step(failed)
         if self.batch_queue_size > 1:
             return self._step_with_batch_queue(failed)
         if not self.scheduler.has_unfinished_requests():
+            self._lockstep_dummy_step()
             return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
         bitmask = self._grammar_bitmask(scheduler_output)
@@ -134,6 +149,13 @@ class EngineCore:
         if scheduler_output.is_empty and self.kv_connector is not None and not outputs:
             time.sleep(_KV_POLL_S)  # only transfers in flight: poll them, do not spin
         return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())
+
+    def _lockstep_dummy_step(self) -> None:
+        """A step with nothing of this rank's own: in lockstep the forward still runs (a
+        dummy one), so the other ranks' expert all-to-alls find this rank."""
+        if self.dp_lockstep is not None:
+            self.executor.execute_model(SchedulerOutput.empty())
+            self.dp_lockstep.dummy_steps += 1
 
     def _grammar_bitmask(self, scheduler_output):
         if scheduler_output.structured_output_req_ids:

@@ -255,6 +255,10 @@ class OneCore:
     def pids(self) -> list[int]:
         return [self.proc.ready.pid]
 
+    def wake(self) -> None:
+        """End a lockstep data-parallel core's wait for input (another rank got work)."""
+        self.proc.send(wire.WAKE, None)
+
 
 class CoreUtilities:
     """The core's utility calls as methods, over the client's own ``call_utility``

@@ -65,10 +65,13 @@ class TorchDistributedCommunicator(Communicator):
         cls,
         rank: int,
         world_size: int,
-        init_method: str = "env://",
+        init_method: str | None = "env://",
         timeout_s: float = 600.0,
+        store: Any = None,
     ) -> TorchDistributedCommunicator:
-        """Join (or reuse) the default process group with this class's backend."""
+        """Join (or reuse) the default process group with this class's backend, meeting
+        the other ranks through ``init_method`` or, when given, a torch.distributed
+        ``store`` (the data-parallel ranks' shared rendezvous)."""
         import torch.distributed as dist
 
         if not 0 <= rank < world_size:
@@ -77,9 +80,10 @@ class TorchDistributedCommunicator(Communicator):
         if module is not None:
             importlib.import_module(module)  # registers the backend with torch.distributed
         if not dist.is_initialized():
+            where = {"store": store} if store is not None else {"init_method": init_method}
             dist.init_process_group(
                 backend=cls.backend,
-                init_method=init_method,
+                **where,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),

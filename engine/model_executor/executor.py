@@ -186,6 +186,19 @@ def log_kv_cache_size(config: EngineConfig, num_blocks: int, block_bytes: int,
                 usable / max(1, per_seq))
 
 
+def _join_replicas(config: EngineConfig, platform: Platform) -> Any:
+    """The parallel state of a one-rank replica whose experts span the replicas."""
+    from engine.distributed.parallel_state import (
+        ParallelLayout,
+        init_parallel_state,
+        rendezvous,
+    )
+
+    return init_parallel_state(platform.communicator_cls(),
+                               ParallelLayout.of_rank(config.parallel),
+                               **rendezvous(config.parallel, None))
+
+
 class UniProcExecutor(Executor):
     """The whole model in the engine core's process."""
 
@@ -202,7 +215,11 @@ class UniProcExecutor(Executor):
             # One replica of several on this machine: its own device / share of the CPUs
             # (on the thread that runs the model: device selection is per thread).
             self._on_worker_thread(platform.bind_worker, *config.parallel.node_share(0))
-        self.worker = self._on_worker_thread(Worker, config, platform)
+        # Experts shared with the other data-parallel replicas: this one rank joins their
+        # world (engine.distributed.dp_lockstep); else it is a world of its own.
+        parallel = (self._on_worker_thread(_join_replicas, config, platform)
+                    if config.parallel.dp_lockstep else None)
+        self.worker = self._on_worker_thread(Worker, config, platform, parallel)
         capacity = self._on_worker_thread(self.worker.load)
         self.kv_cache_layout = self.worker.kv_cache_layout
         self.num_blocks = clamp_num_blocks(config, capacity, self.worker.kv_block_bytes(),

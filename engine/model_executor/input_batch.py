@@ -260,6 +260,22 @@ class InputBatch:
         )
 
 
+def dummy_step(num_groups: int = 1) -> StepIndices:
+    """One token (id 0, position 0) of one request whose only block, in every KV cache
+    group, is the null block 0; nothing samples."""
+    zero = np.zeros(1, dtype=np.int64)
+    table = np.zeros((1, 1), dtype=np.int32)
+    return StepIndices(
+        rows=zero, num_scheduled=np.ones(1, dtype=np.int32),
+        query_start_loc=np.array([0, 1], dtype=np.int32), positions=zero.copy(),
+        input_ids=zero.copy(), slot_mapping=zero.copy(), seq_lens=np.ones(1, dtype=np.int32),
+        block_tables=table, sample_batch_idx=np.zeros(0, dtype=np.int64),
+        logits_indices=np.zeros(0, dtype=np.int64), max_query_len=1, max_seq_len=1,
+        group_slot_mappings=tuple(zero.copy() for _ in range(num_groups - 1)),
+        group_block_tables=tuple(table.copy() for _ in range(num_groups - 1)),
+    )
+
+
 def segment_offsets(counts: np.ndarray) -> np.ndarray:
     """``0..counts[i]-1`` for each i, concatenated."""
     total = int(counts.sum())

@@ -31,7 +31,12 @@ from engine.core.scheduler.output import LogprobsLists, ModelRunnerOutput, Sched
 from engine.lora.layers import LoRABatch
 from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
-from engine.model_executor.input_batch import InputBatch, StepIndices, segment_offsets
+from engine.model_executor.input_batch import (
+    InputBatch,
+    StepIndices,
+    dummy_step,
+    segment_offsets,
+)
 from engine.model_executor.sampling import Sampler, SamplingState, compute_prompt_logprobs
 from engine.model_executor.sampling.rejection_sampler import RejectionSampler
 from engine.model_executor.sampling.state import SpecLayout
@@ -180,6 +185,9 @@ class ModelRunner:
         self.pp = None if parallel is None or parallel.pp_size == 1 else parallel.pp
         self.is_first_stage = self.pp is None or self.pp.rank == 0
         self.samples = self.pp is None or self.pp.rank == self.pp.world_size - 1
+        # Experts shared with other data-parallel replicas: every step runs one forward,
+        # a dummy one when this replica has nothing scheduled (engine.core.dp_lockstep).
+        self.lockstep = parallel is not None and parallel.layout.spans_data_parallel
         self.attn_backend = attn_backend
         self.platform = platform
         self.device = platform.device()
@@ -392,6 +400,8 @@ class ModelRunner:
         if self.kv_connector is not None:
             self._start_kv_transfers(so)
         if so.total_num_scheduled_tokens == 0:
+            if self.lockstep:
+                self._dummy_forward()
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             if self.kv_connector is not None:
                 output.kv_connector_output = self._finish_kv_transfers(so)
@@ -502,6 +512,25 @@ class ModelRunner:
             with set_forward_context(ctx):
                 return self.model(input_ids, positions, **extra)
         return self._forward_stage(metadata, input_ids, positions)
+
+    def _dummy_forward(self) -> None:
+        """One token at position 0 through the model, its KV written to the null block
+        (block 0, and state slot 0: never read unmasked), nothing sampled: a lockstep
+        replica with no work still joins the step's expert all-to-all."""
+        step = dummy_step(len(self.input_batch.block_tables))
+        metadata, input_ids, positions = self._eager_inputs(step)
+        layer_metadata = None if self._layer_groups is None else build_layer_metadata(
+            self.attn_backend, step, metadata, self._layer_groups, self._upload)
+        ctx = ForwardContext(metadata, self.kv_caches, self._layer_hooks, layer_metadata)
+        if self.lora_manager is not None:
+            ctx.lora = LoRABatch(self._upload(np.full(1, -1, dtype=np.int64)), active=False)
+        if self.state_caches:
+            null_slot = np.zeros(1, dtype=np.int64)
+            ctx.state_metadata = build_state_metadata(null_slot, null_slot,
+                                                      step.query_start_loc, 1, self._upload)
+            ctx.state_caches = self.state_caches
+        with set_forward_context(ctx):
+            self.model(input_ids, positions)
 
     def _state_metadata(self, step: StepIndices) -> Any:
         """The step's slots and whether each request continues from its state."""

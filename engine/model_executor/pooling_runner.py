@@ -54,6 +54,8 @@ class PoolingModelRunner(ModelRunner):
                       ) -> ModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            if self.lockstep:
+                self._dummy_forward()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(so)
         hidden = self._forward_with_types(inputs)

@@ -456,7 +456,7 @@ class Worker:
         # Forward graphs record one rank's kernels; collectives and stage hand-offs run
         # between them, which no capturer here records: parallel ranks run eagerly.
         eager = profile or config.model.enforce_eager or (
-            self.layout is not None and self.layout.world_size > 1)
+            self.layout is not None and self.layout.global_world_size > 1)
         runner_cls = ModelRunner
         if config.model.runner == "pooling":
             from engine.model_executor.pooling_runner import PoolingModelRunner

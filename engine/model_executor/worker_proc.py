@@ -144,18 +144,20 @@ def run_worker(spec: WorkerSpec) -> bool:
 def _start(spec: WorkerSpec):
     from engine.core.config import EngineConfig
     from engine.core.plugins import get_plugin_registry, resolve_platform
-    from engine.distributed.parallel_state import ParallelLayout, init_parallel_state
+    from engine.distributed.parallel_state import (
+        ParallelLayout,
+        init_parallel_state,
+        rendezvous,
+    )
     from engine.model_executor.worker import Worker
 
     get_plugin_registry().prepare_worker_process()
     config = EngineConfig.model_validate_json(spec.config_json)
     platform = resolve_platform(config.device.device)
     platform.bind_worker(spec.local_rank, spec.local_world_size)
-    layout = ParallelLayout(spec.tensor_parallel_size, spec.pipeline_parallel_size,
-                            enable_expert_parallel=config.parallel.enable_expert_parallel,
-                            rank=spec.rank)
-    parallel = init_parallel_state(platform.communicator_cls(), layout,
-                                   spec.distributed_init_method)
+    parallel = init_parallel_state(platform.communicator_cls(),
+                                   ParallelLayout.of_rank(config.parallel, spec.rank),
+                                   **rendezvous(config.parallel, spec.distributed_init_method))
     worker = Worker(config, platform, parallel)
     worker.capacity = worker.load()
     return worker

@@ -26,6 +26,7 @@ class _StubCore:
 
     num_kv_blocks = 64
     kv_connector = None
+    dp_lockstep = None  # steps on its own (no experts shared across data-parallel ranks)
 
     def __init__(self, intervals: list[SchedulerStats]) -> None:
         from types import SimpleNamespace

@@ -113,6 +113,31 @@ def test_expert_parallel_size():
     assert ep.world_size == 2  # DP replicas are separate worlds
 
 
+def test_expert_parallel_across_data_parallel_ranks_spans_one_world():
+    """EP = DP x TP: one torch.distributed world over every replica's workers; TP / PP
+    groups stay inside a replica, each stage's EP group holds that stage of every
+    replica in (dp_rank, tp_rank) order."""
+    def layout(dp_rank, rank, ep=True):
+        return ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2,
+                              data_parallel_size=3, enable_expert_parallel=ep, rank=rank,
+                              data_parallel_rank=dp_rank)
+
+    ranks = {(d, r): layout(d, r) for d in range(3) for r in range(4)}
+    assert sorted(lay.global_rank for lay in ranks.values()) == list(range(12))
+    assert all(lay.global_world_size == 12 for lay in ranks.values())
+    assert layout(2, 3).global_rank == 11 and layout(1, 0).global_rank == 4
+    assert layout(0, 0).ep_group_ranks(0) == [0, 1, 4, 5, 8, 9]
+    assert layout(0, 0).ep_group_ranks(1) == [2, 3, 6, 7, 10, 11]
+    for (d, r), lay in ranks.items():  # its EP rank is its place in its stage's group
+        group = lay.ep_group_ranks(lay.pp_rank)
+        assert group.index(lay.global_rank) == lay.ep_rank == d * 2 + lay.tp_rank
+    # Without expert parallelism the replicas stay separate worlds.
+    dense = layout(2, 3, ep=False)
+    assert (dense.global_rank, dense.global_world_size, dense.ep_group_ranks(1)) == (3, 4, [2, 3])
+    with pytest.raises(ValueError, match="data_parallel_rank 3 is outside"):
+        layout(3, 0)
+
+
 # --- states --------------------------------------------------------------------------
 
 

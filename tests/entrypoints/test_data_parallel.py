@@ -45,5 +45,47 @@ def test_options_refused_by_name(llama_dir):
         LLM(str(llama_dir), data_parallel_size=2, data_parallel_size_local=1, **OPTIONS)
     with pytest.raises(ValueError, match="'ray'.*not built yet"):
         LLM(str(llama_dir), data_parallel_size=2, data_parallel_backend="ray", **OPTIONS)
-    with pytest.raises(ValueError, match="lockstep coordinator"):
-        LLM(str(llama_dir), data_parallel_size=2, enable_expert_parallel=True, **OPTIONS)
+    lockstep = {"data_parallel_size": 2, "enable_expert_parallel": True, **OPTIONS}
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
+        LLM(str(llama_dir), pipeline_parallel_size=2, **lockstep)
+    with pytest.raises(ValueError, match="a dead rank takes its experts"):
+        LLM(str(llama_dir), data_parallel_on_rank_failure="continue", **lockstep)
+    with pytest.raises(ValueError, match="async_scheduling with data parallelism"):
+        LLM(str(llama_dir), async_scheduling=True, **lockstep)
+
+
+# -- MoE: experts spread over the ranks (EP = DP x TP), the ranks in lockstep -----------
+
+MOE_OPTIONS = {"device": "cpu", "dtype": "float32", "num_gpu_blocks_override": 96,
+               "max_model_len": 128, "block_size": 8}
+LOCKSTEP_CASES = [("mixtral", {}), ("deepseek-v3", {}),
+                  ("mixtral", {"tensor_parallel_size": 2})]
+
+
+@pytest.mark.parametrize(("variant", "extra"), LOCKSTEP_CASES,
+                         ids=["mixtral-dp2", "deepseek-v3-dp2", "mixtral-dp2-tp2"])
+def test_moe_dp_with_expert_parallel_equals_one_process(model_dir_factory, variant, extra):
+    """Attention data parallel, experts expert parallel across every rank's workers:
+    greedy outputs equal one process; a request alone on one rank still completes (the
+    other rank runs dummy steps so each all-to-all finds it)."""
+    from tests.entrypoints.test_llm_equivalence import _prompts
+    from tests.helpers.equivalence import assert_outputs_equivalent
+
+    path = str(model_dir_factory(variant))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(200, [3, 9, 17, 30, 5], seed=1)]
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, logprobs=2)
+    with LLM(path, **MOE_OPTIONS) as ref:
+        want = ref.generate(prompts, params, use_tqdm=False)
+    with LLM(path, data_parallel_size=2, enable_expert_parallel=True, **extra,
+             **MOE_OPTIONS) as llm:
+        client = llm.llm_engine.client
+        assert_outputs_equivalent(want, llm.generate(prompts, params, use_tqdm=False))
+        alone = llm.generate(prompts[:1], params, use_tqdm=False)
+        assert_outputs_equivalent(want[:1], alone)
+        per_rank = client.get_engine_stats()
+    ep_size = 2 * extra.get("tensor_parallel_size", 1)
+    assert [s.moe_expert_parallel_size for s in per_rank] == [ep_size, ep_size]
+    assert all(s.prompt_tokens_computed_total > 0 for s in per_rank)  # both ranks served
+    assert all(s.dp_lockstep_waves_total >= 1 for s in per_rank)
+    # The lone request ran on one rank; the other stepped along with nothing of its own.
+    assert sum(s.dp_dummy_steps_total for s in per_rank) >= params.max_tokens - 1

@@ -95,6 +95,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        """A step that schedules nothing and changes no request (a lockstep data-parallel
+        rank's dummy step)."""
+        return cls([], CachedRequestData(), {}, 0)
+
 
 @dataclass
 class LogprobsLists:

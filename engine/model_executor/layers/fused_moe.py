@@ -30,7 +30,11 @@ Parallelism, over the tensor-parallel group:
   ``[r E/P, (r+1) E/P)`` whole (only those are read from the checkpoint). Each rank takes
   ``1/P`` of the step's tokens, sends every (token, choice) pair to the rank that owns the
   chosen expert (all-to-all), computes what it received, sends the results back
-  (all-to-all), combines its tokens' choices, and all-gathers the tokens.
+  (all-to-all), combines its tokens' choices, and all-gathers the tokens. With data
+  parallelism the EP group is every replica's TP ranks (EP = DP x TP, ``ep``): the
+  replicas hold different tokens, so each TP group splits its own tokens as above and the
+  all-to-alls run over the whole EP group (engine.core.dp_lockstep keeps the replicas'
+  steps matched).
 """
 
 from __future__ import annotations
@@ -147,6 +151,7 @@ class FusedMoE(nn.Module):
         kernels: list[type[FusedMoEKernel]],
         tp: Communicator | None = None,
         expert_parallel: bool = False,
+        ep: Communicator | None = None,
         activation: str = "silu",
         bias: bool = False,
         gated: bool = True,
@@ -161,10 +166,16 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         rank, size = tp_rank_size(tp)
         self.comm = tp if size > 1 else None
-        self.expert_parallel = expert_parallel and size > 1
+        # The ranks the experts are spread over: ``ep`` when they span data-parallel
+        # replicas (EP = DP x TP), else the TP group.
+        ep = ep if ep is not None else tp
+        ep_rank, ep_size = tp_rank_size(ep)
+        self.ep_comm = ep if expert_parallel and ep_size > 1 else None
+        self.expert_parallel = self.ep_comm is not None
         if self.expert_parallel:
-            self.num_local_experts = divide(router.num_experts, size, "the number of experts")
-            self.first_expert = rank * self.num_local_experts
+            self.num_local_experts = divide(router.num_experts, ep_size,
+                                            "the number of experts")
+            self.first_expert = ep_rank * self.num_local_experts
             self.intermediate_part = (0, 1)
         else:
             self.num_local_experts = router.num_experts
@@ -290,12 +301,15 @@ class FusedMoE(nn.Module):
     def _forward_expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor,
                                  ids: torch.Tensor) -> torch.Tensor:
         """Dispatch (token, choice) pairs to their experts' ranks and combine them back
-        (the module docstring's steps)."""
-        comm = self.comm
-        size, rank = comm.world_size, comm.rank
+        (the module docstring's steps). The TP ranks of a replica hold the same tokens:
+        each dispatches its share; across replicas every EP rank dispatches its own."""
+        comm, ep = self.comm, self.ep_comm
+        tp_size, tp_rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+        size = ep.world_size
         num_tokens, top_k = ids.shape
-        chunk = -(-num_tokens // size)
-        start, end = min(rank * chunk, num_tokens), min((rank + 1) * chunk, num_tokens)
+        chunk = -(-num_tokens // tp_size)
+        start = min(tp_rank * chunk, num_tokens)
+        end = min((tp_rank + 1) * chunk, num_tokens)
         mine = end - start
         token = torch.arange(mine, device=hidden.device).repeat_interleave(top_k)
         expert = ids[start:end].flatten()
@@ -304,19 +318,21 @@ class FusedMoE(nn.Module):
         token, expert, dest = token[order], expert[order], dest[order]
         send_counts = torch.bincount(dest, minlength=size)
         with record_function("moe.all_to_all"):
-            recv_counts = comm.all_to_all(send_counts, [1] * size, [1] * size)
+            recv_counts = ep.all_to_all(send_counts, [1] * size, [1] * size)
             send, recv = send_counts.tolist(), recv_counts.tolist()
             meta = torch.stack((expert.double(), weights[start:end].flatten()[order].double()),
                                1)
-            rows = comm.all_to_all(hidden[start:end][token], send, recv)
-            their_meta = comm.all_to_all(meta, send, recv)
+            rows = ep.all_to_all(hidden[start:end][token], send, recv)
+            their_meta = ep.all_to_all(meta, send, recv)
         local_ids = (their_meta[:, 0].long() - self.first_expert).unsqueeze(1)
         with record_function("moe.experts"):
             done = self._apply(rows, their_meta[:, 1:2].float(), local_ids)
         with record_function("moe.all_to_all"):
-            back = comm.all_to_all(done, recv, send)
+            back = ep.all_to_all(done, recv, send)
         combined = hidden.new_zeros((chunk, hidden.shape[1]))
         combined.index_add_(0, token, back.to(hidden.dtype))
+        if comm is None:
+            return combined[:num_tokens]
         with record_function("moe.all_gather"):
             return comm.all_gather(combined, dim=0)[:num_tokens]
 

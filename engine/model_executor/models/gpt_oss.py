@@ -104,7 +104,8 @@ class GptOssMoE(nn.Module):
         self.experts = FusedMoE(
             RouterConfig(num_experts, self.top_k), hidden, hf_config.intermediate_size,
             dtype=ctx.dtype, device=ctx.device, kernels=ctx.moe_kernels, tp=ctx.tp,
-            expert_parallel=ctx.expert_parallel, activation="swigluoai", bias=True)
+            expert_parallel=ctx.expert_parallel, ep=ctx.ep, activation="swigluoai",
+            bias=True)
         plan = ctx.quantization
         method = getattr(plan.method, "experts_method", None) if plan is not None else None
         if plan is not None and method is None:

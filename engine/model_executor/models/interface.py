@@ -73,6 +73,12 @@ class ModelInitContext:
             return None
         return self.parallel.tp
 
+    @property
+    def ep(self) -> Communicator | None:
+        """The expert-parallel group when it spans data-parallel replicas (EP = DP x TP);
+        None: expert parallelism, if on, runs over ``tp``."""
+        return None if self.parallel is None else self.parallel.ep
+
     def stage_layers(self, num_layers: int) -> range:
         """The decoder layers this rank builds (all of them without pipeline stages)."""
         if self.parallel is None:

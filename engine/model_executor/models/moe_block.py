@@ -75,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(
             router, expert_hidden_size or hidden, moe_intermediate_size, dtype=ctx.dtype,
             device=ctx.device, kernels=ctx.moe_kernels, tp=ctx.tp,
-            expert_parallel=ctx.expert_parallel,
+            expert_parallel=ctx.expert_parallel, ep=ctx.ep,
             activation=activation or getattr(hf_config, "hidden_act", "silu"), gated=gated,
         )
         self.shared_expert_name = shared_expert_name if shared_expert is not None else None

@@ -56,7 +56,7 @@ class EngineExperts(FusedMoE):
         super().__init__(RouterConfig(num_experts, min(top_k, num_experts)), hidden,
                          two_inter // 2, dtype=ctx.dtype, device=ctx.device,
                          kernels=ctx.moe_kernels, tp=ctx.tp,
-                         expert_parallel=ctx.expert_parallel,
+                         expert_parallel=ctx.expert_parallel, ep=ctx.ep,
                          activation=_activation(hf_experts, config))
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
