@@ -1,7 +1,8 @@
 """Where a MoE decode step's time goes: a Mixtral-shaped random model at 64 requests.
 
 Builds a Mixtral-shaped checkpoint (8 experts, top-2; the sizes below), runs decode
-steps of ``--requests`` concurrent requests under torch.profiler, and reports per step:
+steps of ``--requests`` concurrent requests under torch.profiler, and reports per step
+(and the expert GEMMs' bytes per second against the read bandwidth measured here):
 the whole step, and the MoE layers' labelled phases (``moe.select_experts``: router
 scores and top-k; ``moe.permute``: sort and gather of the (token, choice) pairs;
 ``moe.expert_gemms``; ``moe.combine``: weighted scatter-add), plus attention. The
@@ -119,7 +120,24 @@ def main() -> None:
     report["ep2_all_to_all_ms_per_call"] = round(a2a, 3)
     report["ep2_all_to_all_ms_per_step"] = round(a2a * 2 * args.layers, 2)  # dispatch + combine
     report["shape"] = vars(args)
+    report.update(roofline(report, args))
     print(json.dumps(report, indent=2))
+
+
+def roofline(report: dict, args: argparse.Namespace) -> dict:
+    """The expert GEMMs against the memory roofline: a decode step streams every expert's
+    bf16 weights once (8 experts top-2: at 16+ requests every expert gets rows), so their
+    floor is those bytes over the read bandwidth measured here."""
+    from engine.benchmarks.report import memory_read_gb_s
+
+    expert_bytes = args.layers * 8 * 3 * args.hidden * args.intermediate * 2
+    gemm_ms = report["per_step_ms"].get("moe.expert_gemms")
+    bandwidth = memory_read_gb_s()
+    if not gemm_ms:
+        return {"memory_read_gb_s": bandwidth}
+    achieved = expert_bytes / (gemm_ms / 1e3) / 1e9
+    return {"memory_read_gb_s": bandwidth, "expert_gemms_gb_s": round(achieved, 1),
+            "expert_gemms_x_roofline": round(bandwidth / achieved, 2)}
 
 
 if __name__ == "__main__":

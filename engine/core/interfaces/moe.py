@@ -68,6 +68,13 @@ class FusedMoEKernel(ABC):
     def can_implement(cls, spec: MoELayerSpec) -> str | None:
         """None if this kernel can run ``spec``; otherwise why it cannot."""
 
+    def prepare_weights(self, w13: "torch.Tensor", w2: "torch.Tensor"
+                        ) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Once, after the layer's weights are loaded: ``w13`` / ``w2`` in the layout
+        :meth:`apply` will be given (e.g. each expert repacked for the platform's GEMM;
+        the same shapes and dtypes). Default: as loaded."""
+        return w13, w2
+
     @abstractmethod
     def apply(
         self,

