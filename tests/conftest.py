@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Speculative tests count drafts: every step drafts, whatever a timing-based governor
+# would decide on a loaded machine (tests/core/test_spec_governor.py covers the governor).
+os.environ.setdefault("ENGINE_SPEC_ADAPTIVE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -280,6 +280,20 @@ _UNSUPPORTED_SPEC_METHODS = {
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 
 
+SPEC_ADAPTIVE_ENV = "ENGINE_SPEC_ADAPTIVE"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${name}={value!r}: expected 1 or 0")
+
+
 class SpeculativeConfig(BaseModel):
     """vLLM's ``--speculative-config`` JSON: which proposer drafts how many tokens.
 
@@ -297,6 +311,12 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int | None = Field(default=None, ge=1)
     # vLLM spells the draft's parallel size; only 1 exists here.
     draft_tensor_parallel_size: int | None = Field(default=None, ge=1, le=1)
+    # vLLM's: steps of this many requests or more do not draft (None: any batch size).
+    disable_by_batch_size: int | None = Field(default=None, ge=1)
+    # Draft only while it measures faster than not drafting, per batch size
+    # (engine.core.scheduler.spec_governor); False: every step drafts. Default from
+    # $ENGINE_SPEC_ADAPTIVE (1; 0 pins drafting on, e.g. for tests that count drafts).
+    adaptive: bool = Field(default_factory=lambda: _env_flag(SPEC_ADAPTIVE_ENV, True))
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -57,6 +57,12 @@ class EngineCore:
             config, vocab_size=self.executor.vocab_size
         )
         spec = config.speculative
+        governor = None
+        if spec is not None:
+            from engine.core.scheduler.spec_governor import SpeculationGovernor
+
+            governor = SpeculationGovernor(spec.num_speculative_tokens, adaptive=spec.adaptive,
+                                           disable_by_batch_size=spec.disable_by_batch_size)
         self.kv_connector = None
         if config.kv_transfer is not None:
             from engine.core.interfaces.kv_connector import KVConnectorRole
@@ -71,6 +77,7 @@ class EngineCore:
             num_lookahead_tokens=spec.num_speculative_tokens if spec and spec.uses_draft_kv else 0,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             structured_output_manager=self.structured_output_manager,
+            spec_governor=governor,
             # Earlier pipeline stages do not sample: they learn the tokens from the diff.
             send_new_token_ids=config.parallel.pipeline_parallel_size > 1,
             num_micro_batches=self.executor.max_concurrent_batches,
@@ -142,10 +149,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             self._lockstep_dummy_step()
             return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic())
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         bitmask = self._grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask=bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
         if scheduler_output.is_empty and self.kv_connector is not None and not outputs:
             time.sleep(_KV_POLL_S)  # only transfers in flight: poll them, do not spin
         return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic())

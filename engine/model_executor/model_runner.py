@@ -427,7 +427,7 @@ class ModelRunner:
             sampled_token_ids=token_lists,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
-            spec_token_ids=self._propose(inputs, hidden, token_lists),
+            spec_token_ids=self._propose(inputs, hidden, token_lists, so.max_draft_tokens),
             expert_load=self._expert_load(),
             kv_connector_output=(None if self.kv_connector is None
                                  else self._finish_kv_transfers(so)),
@@ -679,9 +679,12 @@ class ModelRunner:
         return out
 
     def _propose(
-        self, inputs: StepInputs, hidden: torch.Tensor, token_lists: list[list[int]]
+        self, inputs: StepInputs, hidden: torch.Tensor, token_lists: list[list[int]],
+        max_drafts_per_request: int | None = None,
     ) -> list[list[int]] | None:
-        """Drafts for the next step (None without a proposer)."""
+        """Drafts for the next step (None without a proposer); at most
+        ``max_drafts_per_request`` each (the scheduler's budget; 0: none, though a model
+        proposer still runs its first pass so its KV cache stays complete)."""
         proposer = self.proposer
         if proposer is None:
             return None
@@ -703,8 +706,12 @@ class ModelRunner:
         )
         num_tokens = batch.num_tokens[rows]
         newest = num_tokens - 1
-        room = np.minimum(self.input_batch.max_model_len - 1 - newest,
-                          proposer.num_speculative_tokens)
+        budget = proposer.num_speculative_tokens
+        if max_drafts_per_request is not None:
+            budget = min(budget, max_drafts_per_request)
+        if budget <= 0 and proposer.may_skip(inputs.req_ids):
+            return None  # nothing to draft, and nothing it must see this step
+        room = np.minimum(self.input_batch.max_model_len - 1 - newest, budget)
         if proposer.writes_kv_ahead:  # its KV writes stay inside the allocated blocks
             # (group 0's: a draft's cache shares the full-attention group's block ids)
             room = np.minimum(room, batch.num_blocks[0, rows] * self.block_size - newest)

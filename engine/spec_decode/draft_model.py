@@ -228,10 +228,20 @@ class DraftModelProposer(ModelProposer):
         # Per request: (position of the newest token when it last proposed, end of the
         # positions its KV was written for then).
         self._written: dict[str, tuple[int, int]] = {}
+        # Per request: the end of the positions its first passes covered with the right
+        # tokens. Steps that drafted nothing skip the proposer (the scheduler's draft
+        # budget 0); its next first pass starts there, so the KV cache catches up.
+        self._valid_end: dict[str, int] = {}
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             self._written.pop(req_id, None)
+            self._valid_end.pop(req_id, None)
+
+    def may_skip(self, req_ids: list[str]) -> bool:
+        """Only once it has run for each of them: where a request's positions start (its
+        prompt, after a prefix-cache hit) is known at its first pass alone."""
+        return all(req_id in self._valid_end for req_id in req_ids)
 
     def propose(self, batch: ProposalBatch) -> DraftProposal:
         proposal = super().propose(batch)
@@ -254,6 +264,12 @@ class DraftModelProposer(ModelProposer):
             # Continuing from its last proposal: the accepted drafts' KV is in place.
             reuse = proposed_at == starts
             starts = np.where(reuse, np.maximum(starts, np.minimum(written_end, ends - 1)), starts)
+        if self._valid_end:  # positions of steps that skipped it: covered now
+            valid = np.fromiter((self._valid_end.get(r, -1) for r in batch.req_ids),
+                                dtype=np.int64, count=len(batch.req_ids))
+            starts = np.where((valid >= 0) & (valid < batch.starts), valid, starts)
+        for req_id, end in zip(batch.req_ids, ends.tolist()):
+            self._valid_end[req_id] = end
         step = batch.input_batch.span(batch.rows, starts, ends - starts)
         return self._run(batch.input_batch, step), step.logits_indices
 
@@ -267,6 +283,8 @@ class DraftModelProposer(ModelProposer):
 class EagleProposer(ModelProposer):
     """An EAGLE head: (embedding of t_{i+1}, target hidden h_i) -> features predicting
     t_{i+2}, with the target's LM head (models.eagle_llama)."""
+
+    follows_every_step = True  # position i needs the target's h_i, there only that step
 
     @property
     def hidden_input(self) -> tuple[int, torch.dtype] | None:

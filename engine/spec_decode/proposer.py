@@ -65,6 +65,11 @@ class Proposer(ABC):
 
     #: Whether it writes a KV cache ahead of the verified tokens (lookahead slots).
     writes_kv_ahead: bool = False
+    #: Whether it must run over every step's positions even in steps it drafts nothing
+    #: for (its cache can be filled only then: an EAGLE head reads the target's hidden
+    #: states of that step). False: such steps skip it altogether (a draft model catches
+    #: up on the skipped positions at its next proposal).
+    follows_every_step: bool = False
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens
@@ -74,6 +79,10 @@ class Proposer(ABC):
         """Drafts for the requests of a finished step (none where ``max_drafts`` is 0).
         A model proposer also runs over every position the target computed, sampling or
         not, so its own KV cache stays complete."""
+
+    def may_skip(self, req_ids: list[str]) -> bool:
+        """Whether a step of these requests that drafts nothing may skip it."""
+        return not self.follows_every_step
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop what it keeps about requests that finished or were preempted."""

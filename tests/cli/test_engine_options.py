@@ -101,4 +101,4 @@ def test_the_resolved_config_survives_the_core_process_handoff(llama_dir, spec):
     config = config.model_copy(update={"speculative": SpeculativeConfig(**spec)})
     child = EngineConfig.model_validate_json(config.model_dump_json())
     assert child.speculative == config.speculative
-    assert child.speculative.model_dump(exclude_none=True) == spec
+    assert child.speculative.model_dump(exclude_none=True, exclude={"adaptive"}) == spec

@@ -90,6 +90,9 @@ class SchedulerOutput:
     # mm_features; and encoder cache entries (identifiers) to drop before the step.
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: the most drafts each request may propose for the next step
+    # (engine.core.scheduler.spec_governor: 0 while drafting does not pay); None: the proposer's K.
+    max_draft_tokens: int | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -59,6 +59,7 @@ from engine.core.scheduler.stats import SchedulerStats, SpecDecodingStats
 from engine.core.scheduler.stop import check_stop
 
 if TYPE_CHECKING:
+    from engine.core.scheduler.spec_governor import SpeculationGovernor
     from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         num_speculative_tokens: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
+        spec_governor: SpeculationGovernor | None = None,
         send_new_token_ids: bool = False,
         num_micro_batches: int = 1,
         kv_connector: Any = None,
@@ -136,6 +138,11 @@ class Scheduler:
         # the executor proposes them, update_from_output trims them to what can be used.
         self.num_speculative_tokens = num_speculative_tokens
         self._spec_stats = SpecDecodingStats() if num_speculative_tokens else None
+        # Whether the coming steps draft (measured per batch size), and what each decode
+        # step scheduled for it: (batch size, drafted) until its time is reported.
+        self.spec_governor = spec_governor if num_speculative_tokens else None
+        self._governed: dict[int, tuple[int, bool]] = {}
+        self._step_tokens: dict[int, int] = {}
 
         if kv_connector is not None and kv_cache_groups is not None and len(kv_cache_groups) > 1:
             raise ValueError("KV connectors move one block table per request: run a hybrid "
@@ -570,8 +577,12 @@ class Scheduler:
         self.in_flight.update(step.num_scheduled_tokens.keys())
 
         spec_tokens: dict[str, list[int]] = {}
+        decode_only = not step.new_reqs
+        seeded = False
         for r in (*step.new_reqs, *step.cached_reqs):
             num_new = step.num_scheduled_tokens[r.request_id]
+            decode_only = decode_only and r.num_computed_tokens >= r.num_prompt_tokens
+            seeded = seeded or _draws_seeded(r)
             self._prompt_tokens_computed += max(0, min(r.num_computed_tokens + num_new,
                                                        r.num_prompt_tokens)
                                                 - min(r.num_computed_tokens, r.num_prompt_tokens))
@@ -611,7 +622,26 @@ class Scheduler:
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
+        if self.spec_governor is not None and output.num_scheduled_tokens and not seeded:
+            # (A seeded sampled request always drafts: its tokens depend on whether its
+            # draws went through the rejection sampler, and it must repeat itself.)
+            batch = len(output.num_scheduled_tokens)
+            output.max_draft_tokens = self.spec_governor.draft_budget(batch)
+            if len(self._governed) > 64:  # steps whose time never came (defensive)
+                self._governed.clear()
+                self._step_tokens.clear()
+            if decode_only:
+                self._governed[id(output)] = (batch, output.max_draft_tokens > 0)
         return output
+
+    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """How long a step took, schedule to update (the engine core measures it): the
+        speculation governor's evidence, for decode-only steps."""
+        governed = self._governed.pop(id(scheduler_output), None)
+        tokens = self._step_tokens.pop(id(scheduler_output), 0)
+        if governed is not None and self.spec_governor is not None:
+            batch, drafted = governed
+            self.spec_governor.observe(batch, drafted, seconds, tokens)
 
     # -- update -----------------------------------------------------------------------------
     def update_from_output(
@@ -626,6 +656,8 @@ class Scheduler:
         self._apply_connector_output(model_runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.spec_token_ids
+        governed = id(scheduler_output) in self._governed
+        emitted = 0
         finished: list[Request] = []
         for i, rid in enumerate(model_runner_output.req_ids):
             request = self.requests.get(rid)
@@ -653,6 +685,7 @@ class Scheduler:
                     request.num_output_placeholders -= 1
             elif request.num_computed_tokens < request.num_tokens:
                 sampled = []  # mid-prefill: the chunk's last logits are not a next token
+            emitted += len(sampled)
             new_token_ids = self._append_tokens(request, sampled)
             if proposed is not None and proposed[i] and not request.is_finished:
                 self._set_drafts(request, proposed[i])
@@ -677,6 +710,8 @@ class Scheduler:
             )
             if request.is_finished:
                 finished.append(request)
+        if governed:
+            self._step_tokens[id(scheduler_output)] = emitted
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -846,6 +881,12 @@ class _AdapterAdmission:
     def add(self, request: Request) -> None:
         if request.lora_int_id and self.max_loras:
             self.active.add(request.lora_int_id)
+
+
+def _draws_seeded(request: Request) -> bool:
+    """A request that samples from a seed (its draws must repeat run after run)."""
+    params = request.sampling_params
+    return params.seed is not None and params.temperature > 0
 
 
 def _finish_reason(request: Request) -> int | None:

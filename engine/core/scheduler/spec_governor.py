@@ -1,0 +1,165 @@
+"""Speculate only while it pays: per batch size, the measured rates with and without drafts.
+
+Speculative decoding pays when the tokens a step gains (its accepted drafts) outweigh
+what drafting and verifying cost. Both sides move at run time: acceptance follows the
+text (an n-gram proposer finds nothing in free prose, everything in a copied passage),
+the costs follow the batch size (a verification row is nearly free at batch 1 and a
+whole extra row of compute at batch 64). So the scheduler asks a
+:class:`SpeculationGovernor` before every step whether the coming steps draft, and tells
+it afterwards what each step took.
+
+The governor keeps, per batch-size bucket (1, 2-3, 4-7, ...), the decode tokens each
+request gains per second in each mode (an exponential average over decode-only steps;
+the first step after a switch is skipped: it still verifies or lacks the previous
+mode's drafts). It starts drafting, and once it has measured both modes it keeps the
+faster one (by a margin, so noise does not flip it) and tries the other again now and
+then: after ``explore_every`` steps, twice as long each time the choice held, up to
+``max_explore_every``. A decision is a step's draft budget: the proposer's K, or 0
+(model proposers then still run their first pass, so their KV cache stays complete).
+
+vLLM's static rule is here too: with ``disable_by_batch_size`` the steps of that many
+requests or more never draft.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+
+logger = logging.getLogger(__name__)
+
+
+class Mode(Enum):
+    DRAFT = "draft"
+    PLAIN = "plain"
+
+    @property
+    def other(self) -> Mode:
+        return Mode.PLAIN if self is Mode.DRAFT else Mode.DRAFT
+
+
+@dataclass
+class _Rate:
+    """Exponential average of a mode's per-request decode rate (tokens per second)."""
+
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, rate: float, weight: float) -> None:
+        self.value = rate if not self.samples else self.value + weight * (rate - self.value)
+        self.samples += 1
+
+
+@dataclass
+class _Bucket:
+    """What one batch-size bucket has measured and chosen."""
+
+    explore_every: int
+    sizes: str = ""  # the batch sizes it holds, for the log
+    mode: Mode = Mode.DRAFT
+    rates: dict[Mode, _Rate] = field(default_factory=lambda: {m: _Rate() for m in Mode})
+    steps_in_mode: int = 0  # decode steps since the mode last changed
+    choice: Mode | None = None  # the mode the comparison picked (None: not yet compared)
+    explored: bool = False  # this run of the other mode is an exploration
+
+
+@dataclass
+class GovernorSettings:
+    warmup_steps: int = 24  # decode steps drafting before the first comparison
+    probe_steps: int = 6  # decode steps of the other mode per measurement
+    explore_every: int = 64  # steps of the chosen mode before trying the other again
+    max_explore_every: int = 1024
+    margin: float = 0.03  # the other mode must be this much faster to take over
+    weight: float = 0.25  # of a new step in the averages
+
+
+class SpeculationGovernor:
+    """Draft or not, per step (the module docstring)."""
+
+    def __init__(self, num_speculative_tokens: int, *, adaptive: bool = True,
+                 disable_by_batch_size: int | None = None,
+                 settings: GovernorSettings | None = None) -> None:
+        self.k = num_speculative_tokens
+        self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
+        self.settings = settings or GovernorSettings()
+        self._buckets: dict[int, _Bucket] = {}
+        self.switches = 0  # mode changes (stats, tests)
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = max(1, batch_size).bit_length()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            low = 1 << (key - 1)
+            bucket = self._buckets[key] = _Bucket(self.settings.explore_every,
+                                                  f"{low}-{2 * low - 1}" if low > 1 else "1")
+        return bucket
+
+    def draft_budget(self, batch_size: int) -> int:
+        """Drafts each request of a step of ``batch_size`` decoding requests may
+        propose for the next step: K, or 0."""
+        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            return 0
+        if not self.adaptive or batch_size < 1:
+            return self.k
+        return self.k if self._bucket(batch_size).mode is Mode.DRAFT else 0
+
+    def observe(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A decode-only step of ``batch_size`` requests, run with a draft budget
+        (``drafted``) or without, took ``seconds`` and emitted ``tokens`` in all."""
+        if not self.adaptive or batch_size < 1 or seconds <= 0:
+            return
+        bucket = self._bucket(batch_size)
+        mode = Mode.DRAFT if drafted else Mode.PLAIN
+        if mode is not bucket.mode:
+            return  # a step decided before the last switch
+        bucket.steps_in_mode += 1
+        if bucket.steps_in_mode > 1:  # the first one still carries the last mode's drafts
+            bucket.rates[mode].add(tokens / batch_size / seconds, self.settings.weight)
+        self._next_mode(bucket)
+
+    def _next_mode(self, bucket: _Bucket) -> None:
+        s = self.settings
+        rates = bucket.rates
+        measured = rates[bucket.mode].samples
+        if bucket.choice is None:  # warming up: drafting, then one probe without
+            if bucket.mode is Mode.DRAFT and measured >= s.warmup_steps:
+                self._switch(bucket, Mode.PLAIN, explored=True)
+            elif bucket.mode is Mode.PLAIN and measured >= s.probe_steps:
+                self._choose(bucket)
+            return
+        if bucket.explored:
+            if bucket.steps_in_mode > s.probe_steps:
+                self._choose(bucket)
+        elif bucket.steps_in_mode >= bucket.explore_every:
+            self._switch(bucket, bucket.mode.other, explored=True)
+
+    def _choose(self, bucket: _Bucket) -> None:
+        """Keep the faster mode: the incumbent unless the other is faster by the margin."""
+        rates = bucket.rates
+        incumbent = bucket.choice or Mode.DRAFT
+        challenger = incumbent.other
+        faster = rates[challenger].value > rates[incumbent].value * (1 + self.settings.margin)
+        choice = challenger if faster else incumbent
+        if choice is not incumbent or bucket.choice is None:
+            logger.info("speculative decoding %s at batch sizes %s: %.1f tokens/s per request "
+                        "drafting, %.1f without", "on" if choice is Mode.DRAFT else "off",
+                        bucket.sizes, rates[Mode.DRAFT].value, rates[Mode.PLAIN].value)
+        if choice is bucket.choice:  # confirmed: look again less often
+            bucket.explore_every = min(2 * bucket.explore_every, self.settings.max_explore_every)
+        else:
+            bucket.explore_every = self.settings.explore_every
+        bucket.choice = choice
+        self._switch(bucket, choice, explored=False)
+
+    def _switch(self, bucket: _Bucket, mode: Mode, explored: bool) -> None:
+        if mode is not bucket.mode:
+            self.switches += 1
+            bucket.mode = mode
+            bucket.steps_in_mode = 0
+        bucket.explored = explored
+
+    def chosen_mode(self, batch_size: int) -> Mode | None:
+        """The mode the comparison settled on for this batch size (None: not yet)."""
+        return self._bucket(batch_size).choice
