@@ -264,6 +264,11 @@ class EngineCore:
                 "pause_generation(mode='abort') first")
         if self.kv_connector is not None:
             raise ValueError("sleep mode cannot be combined with a KV connector yet")
+        if self.dp_lockstep is not None:
+            # Another rank may start a wave at any time, and its steps need this rank's
+            # experts (a dummy forward over weights that are gone).
+            raise ValueError("sleep mode is not supported with expert parallelism across "
+                             "data-parallel ranks")
         if not self.scheduler.reset_prefix_cache():
             raise RuntimeError("cannot sleep: KV blocks are still held by requests")
         self.executor.sleep(level)
