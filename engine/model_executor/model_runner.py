@@ -683,11 +683,16 @@ class ModelRunner:
         max_drafts_per_request: int | None = None,
     ) -> list[list[int]] | None:
         """Drafts for the next step (None without a proposer); at most
-        ``max_drafts_per_request`` each (the scheduler's budget; 0: none, though a model
-        proposer still runs its first pass so its KV cache stays complete)."""
+        ``max_drafts_per_request`` each (the scheduler's budget; 0: none, and the proposer
+        is skipped unless it must follow every step, as an EAGLE head does)."""
         proposer = self.proposer
         if proposer is None:
             return None
+        budget = proposer.num_speculative_tokens
+        if max_drafts_per_request is not None:
+            budget = min(budget, max_drafts_per_request)
+        if budget <= 0 and proposer.may_skip(inputs.req_ids):
+            return None  # nothing to draft, and nothing it must see this step
         from engine.spec_decode.proposer import ProposalBatch
 
         step = inputs.step
@@ -706,11 +711,6 @@ class ModelRunner:
         )
         num_tokens = batch.num_tokens[rows]
         newest = num_tokens - 1
-        budget = proposer.num_speculative_tokens
-        if max_drafts_per_request is not None:
-            budget = min(budget, max_drafts_per_request)
-        if budget <= 0 and proposer.may_skip(inputs.req_ids):
-            return None  # nothing to draft, and nothing it must see this step
         room = np.minimum(self.input_batch.max_model_len - 1 - newest, budget)
         if proposer.writes_kv_ahead:  # its KV writes stay inside the allocated blocks
             # (group 0's: a draft's cache shares the full-attention group's block ids)
