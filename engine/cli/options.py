@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from engine.core.dp_placement import DEFAULT_RPC_PORT
+
 
 def _max_model_len_option(ctx: click.Context | None, param: click.Parameter | None,
                           value: str | None) -> int | str | None:
@@ -185,12 +187,24 @@ _ENGINE_OPTIONS: list[Callable[[Callable], Callable]] = [
                       "core by load and shared prompt prefix."),
     click.option("--data-parallel-size-local", "data_parallel_size_local",
                  type=click.IntRange(1), default=None,
-                 help="Data-parallel ranks on this machine; must equal --data-parallel-size "
-                      "(multi-node data parallelism is not built yet)."),
+                 help="Data-parallel ranks on this node (default: all of them); fewer "
+                      "on the head means the rest come from --headless nodes."),
     click.option("--data-parallel-backend", "data_parallel_backend",
                  type=click.Choice(["mp", "ray"]), default="mp", show_default=True,
-                 help="How data-parallel ranks start: mp (local processes); ray is not "
-                      "built yet."),
+                 help="How data-parallel ranks start: mp (processes on each node: this "
+                      "head, and --headless nodes) or ray (Ray places one core per rank "
+                      "on the cluster at RAY_ADDRESS / `ray start`)."),
+    click.option("--data-parallel-address", "data_parallel_address", default=None,
+                 help="Multi-node: the head node's address, reachable from every node."),
+    click.option("--data-parallel-rpc-port", "data_parallel_rpc_port",
+                 type=click.IntRange(1, 65535), default=DEFAULT_RPC_PORT, show_default=True,
+                 help="Multi-node: the head's port where other nodes register."),
+    click.option("--data-parallel-start-rank", "data_parallel_start_rank",
+                 type=click.IntRange(0), default=0, show_default=True,
+                 help="A --headless node's first data-parallel rank."),
+    click.option("--headless", "headless", is_flag=True, default=False,
+                 help="Run this node's data-parallel ranks for a head node elsewhere (no "
+                      "API server); needs --data-parallel-address."),
     click.option("--data-parallel-on-rank-failure", "data_parallel_on_rank_failure",
                  type=click.Choice(["exit", "continue"]), default="exit", show_default=True,
                  help="When one data-parallel rank dies: exit (the engine fails and the "
@@ -315,7 +329,8 @@ ENGINE_OPTION_NAMES = (
     "speculative_config", "structured_outputs_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel",
     "data_parallel_size", "data_parallel_size_local", "data_parallel_backend",
-    "data_parallel_on_rank_failure",
+    "data_parallel_on_rank_failure", "data_parallel_address", "data_parallel_rpc_port",
+    "data_parallel_start_rank", "headless",
     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "runner", "convert", "hf_overrides", "model_impl",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "async_scheduling",
     "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",

@@ -125,6 +125,15 @@ def _lora_settings(lora_modules: tuple[str, ...], allow_runtime_lora_updating: b
               help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on "
                    "with VLLM_ALLOW_RUNTIME_LORA_UPDATING or "
                    "ENGINE_ALLOW_RUNTIME_LORA_UPDATING set to 1 / true).")
+@click.option("--api-server-count", type=click.IntRange(min=1), default=1, show_default=True,
+              help="API server processes sharing the port (and every engine core), so "
+                   "tokenization, detokenization and HTTP use K processes; 1: one process "
+                   "serves (and owns the cores).")
+@click.option("--api-server-on-failure", type=click.Choice(["exit", "continue"]),
+              default="exit", show_default=True,
+              help="With --api-server-count > 1, when an API server process dies: 'exit' "
+                   "stops the whole server (non-zero exit code, as vLLM); 'continue' lets "
+                   "the others serve on (the cores abort the dead one's requests).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="No per-request log lines.")
@@ -137,6 +146,7 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
               keep_alive_on_engine_death: bool, max_num_waiting: int | None,
               request_timeout: float | None, max_stored_responses: int,
               lora_modules: tuple[str, ...], allow_runtime_lora_updating: bool,
+              api_server_count: int, api_server_on_failure: str,
               log_level: str, disable_uvicorn_access_log: bool, **engine_kwargs) -> None:
     """Serve MODEL (a Hugging Face model directory; the demo model when omitted) over an
     OpenAI-compatible HTTP API."""
@@ -152,15 +162,49 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
         raise click.UsageError(f"MODEL {model_arg!r} and --model {model_option!r} differ; "
                                "give one of them")
     engine_kwargs["model"] = model_arg or model_option
+    if engine_kwargs.get("headless"):
+        _serve_headless(engine_kwargs, api_server_count)
+        return
+    _check_multi_node(engine_kwargs, api_server_count, restart_engine_core)
     modules, runtime_lora = _lora_settings(lora_modules, allow_runtime_lora_updating,
                                            engine_kwargs)
+    if api_server_count > 1:
+        if modules:
+            raise click.UsageError("--lora-modules with --api-server-count > 1 is not "
+                                   "supported yet (load adapters at runtime instead)")
+        if restart_engine_core:
+            raise click.UsageError("--restart-engine-core with --api-server-count > 1 is not "
+                                   "supported: the cores belong to the launcher")
     try:
         args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs),
                                       served_model_name=served_model_name,
                                       reasoning_parser=reasoning_parser)
-        engine = AsyncLLM.from_engine_args(args)
+        if api_server_count > 1:
+            config = args.create_engine_config()
+        else:
+            engine = AsyncLLM.from_engine_args(args)
     except (ValueError, FileNotFoundError, EngineStartupError) as exc:
         raise click.ClickException(str(exc)) from exc
+    if api_server_count > 1:
+        _serve_group(config, api_server_count, api_server_on_failure,
+                     log_level=log_level, access_log=not disable_uvicorn_access_log,
+                     timeout_graceful_shutdown=timeout_graceful_shutdown,
+                     settings=ServerSettings(
+                         served_model_name=(served_model_name or config.model.served_model_name
+                                            or config.model.model),
+                         api_key=api_key or None,
+                         max_request_body_bytes=max_request_body_bytes,
+                         max_tokens_limit=max_tokens_limit,
+                         max_request_json_depth=max_request_json_depth,
+                         max_logprobs=max_logprobs, tool_call_parser=tool_call_parser,
+                         reasoning_parser=(reasoning_parser
+                                           or config.structured_outputs.reasoning_parser),
+                         host=host, port=port, restart_engine_core=0,
+                         exit_on_engine_death=not keep_alive_on_engine_death,
+                         max_num_waiting=max_num_waiting, request_timeout=request_timeout,
+                         max_stored_responses=max_stored_responses,
+                         allow_runtime_lora_updating=runtime_lora))
+        return
     loras = _load_lora_modules(engine, modules, served_model_name)
     settings = ServerSettings(
         served_model_name=engine.model_name, api_key=api_key or None,
@@ -184,6 +228,65 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
     if exit_code:
         logging.getLogger("engine.server").error("Exiting with code %d (the engine core died)",
                                                  exit_code)
+        raise SystemExit(exit_code)
+
+
+def _check_multi_node(engine_kwargs: dict[str, Any], api_server_count: int,
+                      restart_engine_core: int) -> None:
+    """A head with ranks on other nodes: what its server cannot combine with yet."""
+    size = engine_kwargs.get("data_parallel_size") or 1
+    size_local = engine_kwargs.get("data_parallel_size_local")
+    ray = engine_kwargs.get("data_parallel_backend") == "ray"
+    if size == 1 or not (ray or (size_local is not None and size_local < size)):
+        return
+    if api_server_count > 1:
+        raise click.UsageError("--api-server-count > 1 with data-parallel ranks on other "
+                               "nodes is not supported yet (its launcher starts every rank "
+                               "locally)")
+    if restart_engine_core and not ray:
+        raise click.UsageError("--restart-engine-core with --headless nodes is not "
+                               "supported: the nodes stop when the head's ranks go")
+
+
+def _serve_headless(engine_kwargs: dict[str, Any], api_server_count: int) -> None:
+    """``--headless``: this node's data-parallel ranks for the head at
+    --data-parallel-address (no API server; the head sends the engine config)."""
+    from engine.core.dp_headless import run_node
+    from engine.core.dp_placement import check_placement
+    from engine.core.errors import EngineStartupError
+
+    if api_server_count > 1:
+        raise click.UsageError("--headless runs no API server: drop --api-server-count")
+    size = engine_kwargs.get("data_parallel_size") or 1
+    size_local = engine_kwargs.get("data_parallel_size_local")
+    start_rank = engine_kwargs.get("data_parallel_start_rank") or 0
+    try:
+        check_placement(size, size_local, start_rank,
+                        engine_kwargs.get("data_parallel_address"),
+                        engine_kwargs.get("data_parallel_backend") or "mp", headless=True)
+        exit_code = run_node(engine_kwargs["data_parallel_address"],
+                             engine_kwargs["data_parallel_rpc_port"], size, start_rank,
+                             size_local)
+    except (ValueError, EngineStartupError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def _serve_group(config: Any, count: int, on_failure: str, *, settings: Any, log_level: str,
+                 access_log: bool, timeout_graceful_shutdown: int) -> None:
+    """``--api-server-count K`` (K > 1): the launcher of K API server processes."""
+    from engine.entrypoints.openai.api_server_group import run_api_server_group
+
+    try:
+        exit_code = run_api_server_group(config, settings, count, on_failure=on_failure,
+                                         log_level=log_level, access_log=access_log,
+                                         timeout_graceful_shutdown=timeout_graceful_shutdown)
+    except OSError as exc:  # e.g. the port is taken
+        raise click.ClickException(f"cannot serve on {settings.host}:{settings.port}: {exc}"
+                                   ) from exc
+    if exit_code:
+        logging.getLogger("engine.server").error("Exiting with code %d", exit_code)
         raise SystemExit(exit_code)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.core.dp_placement import check_placement
 from engine.core.pooling_config import PoolerConfig
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
@@ -199,11 +200,17 @@ class ParallelConfig(BaseModel):
     distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
     # Data parallelism (engine.core.dp_client): data_parallel_size engine cores, each a
     # whole replica (its own scheduler, KV cache and TP x PP workers) behind one front
-    # end. Only local ranks started as processes ("mp") exist so far.
+    # end; ranks may run on other nodes ("mp" with --headless nodes, or placed by "ray").
     data_parallel_size: int = Field(default=1, ge=1)
     data_parallel_size_local: int | None = Field(default=None, ge=1)  # None: all local
-    data_parallel_backend: Literal["mp"] = "mp"
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
     data_parallel_rank: int = Field(default=0, ge=0)  # this core's rank (set per core)
+    # Multi-node (engine.core.dp_handshake): the head's address and the port where it
+    # takes the other nodes' registrations (0: pick a free one; head only), and the first
+    # global rank this node runs (its local ranks are start_rank .. + size_local - 1).
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = Field(default=0, ge=0, le=65535)
+    data_parallel_start_rank: int = Field(default=0, ge=0)
     # A dead rank: "exit" fails the whole engine (the server exits, as vLLM's does);
     # "continue" fails only that rank's requests and routes new ones to the others.
     data_parallel_on_rank_failure: Literal["exit", "continue"] = "exit"
@@ -228,15 +235,17 @@ class ParallelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_data_parallel(self) -> "ParallelConfig":
         size = self.data_parallel_size
-        if self.data_parallel_size_local not in (None, size):
-            raise ValueError(
-                f"data_parallel_size_local ({self.data_parallel_size_local}) must equal "
-                f"data_parallel_size ({size}): multi-node data parallelism (ranks on other "
-                "machines) is not built yet, so every rank runs on this machine")
+        check_placement(size, self.data_parallel_size_local, self.data_parallel_start_rank,
+                        self.data_parallel_address, self.data_parallel_backend)
         if self.data_parallel_rank >= size:
             raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside "
                              f"data_parallel_size {size}")
         if self.dp_lockstep:
+            if self.data_parallel_backend == "ray":
+                raise ValueError(
+                    "data parallelism with expert parallelism under data_parallel_backend "
+                    "'ray' is not supported: rank 0 (the ranks' rendezvous) may land on "
+                    "any node; start the ranks per node (--headless) instead")
             if self.pipeline_parallel_size > 1:
                 raise ValueError(
                     "data parallelism with expert parallelism runs its ranks in lockstep, "
@@ -255,7 +264,7 @@ class ParallelConfig(BaseModel):
         worker on the machine: the data-parallel ranks' workers take consecutive slots,
         so two replicas never pick the same device or the same CPUs."""
         size_local = self.data_parallel_size_local or self.data_parallel_size
-        local_dp_rank = self.data_parallel_rank % size_local
+        local_dp_rank = (self.data_parallel_rank - self.data_parallel_start_rank) % size_local
         return local_dp_rank * self.world_size + rank, size_local * self.world_size
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from engine.core import core_protocol as wire
+from engine.core.core_endpoints import ClientEndpoint, CoreEndpoints, load_endpoints
 from engine.core.engine_io import EngineCoreOutput, EngineCoreOutputs
 from engine.core.request import FinishReason
 from engine.distributed.dp_lockstep import PeerRankLost
@@ -78,11 +79,16 @@ class EngineCoreProc:
         input_socket: zmq.Socket,
         output_socket: zmq.Socket,
         parent_pid: int,
+        endpoints: CoreEndpoints | None = None,
     ) -> None:
         self.core = core
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.parent_pid = parent_pid
+        # Several front ends (endpoints.json) or the one pair: routes replies per client.
+        self.endpoints = endpoints or CoreEndpoints(
+            [input_socket], [output_socket], self._check_parent)
+        self._client = 0  # the front end whose message is being handled
         self.shutdown_requested = False
         self._totals = wire.EngineCoreStats(num_kv_blocks=core.num_kv_blocks)
         # A data-parallel rank reports its KV usage with each step's outputs (routing).
@@ -136,24 +142,37 @@ class EngineCoreProc:
                 outputs.kv_cache_usage = self.core.scheduler.kv_cache_manager.usage
             self.send(wire.OUTPUTS, outputs)
 
-    def _process_input(self, block: bool) -> None:
-        """Handle every pending message; when ``block``, first wait for one (bounded)."""
+    def _check_parent(self) -> None:
         if os.getppid() != self.parent_pid:
             raise ParentGone
-        if block and not self.input_socket.poll(int(IDLE_POLL_S * 1000)):
+
+    def _process_input(self, block: bool) -> None:
+        """Handle every pending message; when ``block``, first wait for one (bounded)."""
+        self._check_parent()
+        self._abort_dead_clients()
+        if block and not self.endpoints.poll(int(IDLE_POLL_S * 1000)):
             return
-        while True:
-            try:
-                tag, payload = self.input_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(bytes(tag.buffer), payload.buffer)
+        for client, tag, payload in self.endpoints.receive_pending():
+            self._client = client
+            self._handle(tag, payload)
+
+    def _abort_dead_clients(self) -> None:
+        """A front end that died leaves no requests behind (their KV blocks are freed)."""
+        for client in self.endpoints.dead_clients():
+            request_ids = self.endpoints.take_requests(client)
+            logger.warning("front end %d is gone: aborting its %d request(s)", client,
+                           len(request_ids))
+            if request_ids:
+                self.core.abort_requests(request_ids)
 
     def _handle(self, tag: bytes, payload: memoryview) -> None:
         if tag == wire.ADD:
             self._add_request(payload)
         elif tag == wire.ABORT:
-            self.core.abort_requests(wire.abort_decoder.decode(payload))
+            request_ids = wire.abort_decoder.decode(payload)
+            for request_id in request_ids:
+                self.endpoints.owner.pop(request_id, None)
+            self.core.abort_requests(request_ids)
         elif tag == wire.UTILITY:
             self._call_utility(wire.utility_call_decoder.decode(payload))
         elif tag == wire.WAKE:
@@ -163,6 +182,7 @@ class EngineCoreProc:
 
     def _add_request(self, payload: memoryview) -> None:
         request = wire.request_decoder.decode(payload)
+        self.endpoints.owner[request.request_id] = self._client
         try:
             self.core.add_request(request)
         except ValueError as exc:
@@ -243,7 +263,14 @@ class EngineCoreProc:
 
     # -- output -----------------------------------------------------------------------------
     def send(self, tag: bytes, message: Any) -> None:
-        send_message(self.output_socket, tag, message, self.parent_pid)
+        """Step outputs to their requests' front ends, a utility result to its caller,
+        anything else to every front end."""
+        if tag == wire.OUTPUTS:
+            self.endpoints.send_outputs(message)
+        elif tag == wire.UTILITY_RESULT:
+            self.endpoints.send(tag, message, self._client)
+        else:
+            self.endpoints.send(tag, message)
 
 
 def send_message(sock: zmq.Socket, tag: bytes, message: Any, parent_pid: int) -> None:
@@ -263,12 +290,10 @@ def _raise_shutdown(signum: int, frame: Any) -> None:
     raise _ShutdownRequested(signal.Signals(signum).name)
 
 
-def _report_death(output_socket, parent_pid: int, exc: Exception, what: str) -> int:
-    """Log ``exc``, tell the front end the core is dead (with the error), exit code 1."""
+def _report_death(endpoints: CoreEndpoints, exc: Exception, what: str) -> int:
+    """Log ``exc``, tell every front end the core is dead (with the error), exit code 1."""
     logger.exception("engine core %s", what)
-    send_message(
-        output_socket, wire.DEAD, wire.EngineDeadInfo(wire.describe_exception(exc)), parent_pid
-    )
+    endpoints.send(wire.DEAD, wire.EngineDeadInfo(wire.describe_exception(exc)))
     return 1
 
 
@@ -276,15 +301,19 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
     """The child's whole life; returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, _raise_shutdown)
-    input_address, output_address = ipc_addresses(run_dir)
+    def check_parent() -> None:
+        if os.getppid() != parent_pid:
+            raise ParentGone
+
     ctx = zmq.Context(io_threads=1)
-    input_socket = ctx.socket(zmq.PULL)
-    output_socket = ctx.socket(zmq.PUSH)
-    output_socket.setsockopt(zmq.SNDHWM, 0)  # never drop or stall on a slow reader
-    output_socket.setsockopt(zmq.SNDTIMEO, int(SEND_RETRY_S * 1000))
-    output_socket.setsockopt(zmq.LINGER, 5000)  # flush the last message (DEAD) on exit
-    input_socket.connect(input_address)
-    output_socket.connect(output_address)
+    listed = load_endpoints(run_dir)
+    if listed is None:  # one front end: the run dir's ipc pair
+        input_address, output_address = ipc_addresses(run_dir)
+        listed_clients = [ClientEndpoint(input=input_address, output=output_address)]
+    else:
+        listed_clients = listed.clients
+    endpoints = CoreEndpoints.connect(ctx, listed_clients, check_parent, SEND_RETRY_S)
+    input_socket, output_socket = endpoints.inputs[0], endpoints.outputs[0]
     core = None
     try:
         try:
@@ -297,15 +326,16 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
             config = EngineConfig.model_validate_json((run_dir / CONFIG_FILE).read_text())
             core = EngineCore(config)
         except Exception as exc:
-            return _report_death(output_socket, parent_pid, exc, "failed to start")
+            return _report_death(endpoints, exc, "failed to start")
         ready = wire.ReadyInfo(core.num_kv_blocks, config.scheduler.max_model_len, os.getpid())
-        send_message(output_socket, wire.READY, ready, parent_pid)
-        logger.info("engine core ready: %d KV blocks", core.num_kv_blocks)
-        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid)
+        endpoints.send(wire.READY, ready)
+        logger.info("engine core ready: %d KV blocks, %d front end(s)", core.num_kv_blocks,
+                    endpoints.num_clients)
+        proc = EngineCoreProc(core, input_socket, output_socket, parent_pid, endpoints)
         try:
             proc.run()
         except Exception as exc:
-            return _report_death(output_socket, parent_pid, exc, "step loop failed")
+            return _report_death(endpoints, exc, "step loop failed")
         return 0
     except _ShutdownRequested as why:
         logger.info("engine core shutting down (%s)", why)
@@ -320,8 +350,7 @@ def run_engine_core(run_dir: Path, parent_pid: int) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if core is not None:
             core.shutdown()
-        input_socket.close(linger=0)
-        output_socket.close()
+        endpoints.close()
         ctx.term()
 
 

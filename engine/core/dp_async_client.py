@@ -41,8 +41,9 @@ class AsyncDPClient(AsyncCoreUtilities, _DPClientBase):
     @classmethod
     def start(cls, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
               ) -> AsyncDPClient:
-        return cls(start_cores(lambda c: AsyncMPClient(c, startup_timeout_s=startup_timeout_s),
-                               config), config)
+        return cls(start_cores(lambda c, attach: AsyncMPClient(
+            c, startup_timeout_s=startup_timeout_s,
+            channel=attach(startup_timeout_s) if attach else None), config), config)
 
     def _deliver(self, error: EngineDeadError) -> None:
         self._merged.put_nowait(error)

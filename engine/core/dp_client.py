@@ -38,6 +38,7 @@ import zmq
 
 from engine.core import core_protocol as wire
 from engine.core.config import EngineConfig
+from engine.core.dp_placement import node_plan
 from engine.core.dp_router import DPRouter
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError, EngineStartupError
@@ -118,13 +119,45 @@ def with_rendezvous_port(config: EngineConfig) -> EngineConfig:
         update={"data_parallel_master_port": port})})
 
 
-def start_cores(build: Callable[[EngineConfig], T], config: EngineConfig) -> list[T]:
+def with_head_address(config: EngineConfig) -> EngineConfig:
+    """Multi-node: rank 0's rendezvous (lockstep store) is on the head, at the address
+    every node reaches it by."""
+    from engine.core.dp_remote import head_address
+
+    return config.model_copy(update={"parallel": config.parallel.model_copy(
+        update={"data_parallel_master_ip": head_address(config)})})
+
+
+# A remote rank's channel, given the startup timeout (engine.core.dp_remote): None for a
+# rank this process spawns itself.
+Attach = Callable[[float], Any]
+
+
+def start_cores(build: Callable[[EngineConfig, Attach | None], T], config: EngineConfig
+                ) -> list[T]:
     """One per-core client per rank, started concurrently (each loads the model); if any
-    rank fails, the started ones are shut down and the first failure is raised."""
+    rank fails, the started ones are shut down and the first failure is raised. Ranks
+    of other nodes (``--headless`` nodes, Ray) are attached to, not spawned."""
     size = config.parallel.data_parallel_size
+    parallel = config.parallel
+    plan = node_plan(size, parallel.data_parallel_size_local,
+                     parallel.data_parallel_start_rank, parallel.data_parallel_backend)
+    remote = None
+    if plan.multi_node:
+        config = with_head_address(config)
     config = with_rendezvous_port(config)
+    if plan.multi_node:
+        from engine.core.dp_remote import RemoteRanks
+
+        remote = RemoteRanks(config, plan)
+
+    def attach(rank: int) -> Attach | None:
+        return None if remote is None or rank in plan.local_ranks else (
+            lambda timeout_s: remote.attach(rank, timeout_s))
+
     with ThreadPoolExecutor(size, thread_name_prefix="engine-dp-start") as pool:
-        futures = [pool.submit(build, rank_config(config, rank)) for rank in range(size)]
+        futures = [pool.submit(build, rank_config(config, rank), attach(rank))
+                   for rank in range(size)]
         outcomes: list[tuple[T | None, BaseException | None]] = []
         for future in futures:
             try:
@@ -137,6 +170,8 @@ def start_cores(build: Callable[[EngineConfig], T], config: EngineConfig) -> lis
     for client, _ in outcomes:
         if client is not None:
             client.shutdown()  # type: ignore[attr-defined]
+    if remote is not None:
+        remote.close()
     rank, exc = failed[0]
     if isinstance(exc, EngineStartupError):
         raise EngineStartupError(f"data-parallel rank {rank}: {exc}") from exc
@@ -297,8 +332,9 @@ class SyncDPClient(CoreUtilities, _DPClientBase):
     @classmethod
     def start(cls, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
               ) -> SyncDPClient:
-        return cls(start_cores(lambda c: SyncMPClient(c, startup_timeout_s=startup_timeout_s),
-                               config), config)
+        return cls(start_cores(lambda c, attach: SyncMPClient(
+            c, startup_timeout_s=startup_timeout_s,
+            channel=attach(startup_timeout_s) if attach else None), config), config)
 
     def _deliver(self, error: EngineDeadError) -> None:
         self._errors.append(error)

@@ -27,6 +27,7 @@ from engine.core.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from engine.core.dp_placement import DEFAULT_RPC_PORT, check_placement
 
 ATTENTION_BACKEND_ENV = "ENGINE_ATTENTION_BACKEND"
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -140,7 +141,13 @@ class EngineArgs:
     # a whole replica, behind one front end; all local, started as processes ("mp").
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None  # None: data_parallel_size (all local)
-    data_parallel_backend: str = "mp"
+    data_parallel_backend: str = "mp"  # "mp" (processes per node) or "ray" (Ray places them)
+    # Multi-node (engine.core.dp_placement): the head's address and registration port,
+    # this node's first rank, and --headless (a node with ranks and no API server).
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = DEFAULT_RPC_PORT
+    data_parallel_start_rank: int = 0
+    headless: bool = False
     # A dead rank: "exit" (vLLM's behaviour: the engine fails, the server exits) or
     # "continue" (its requests fail; the other ranks keep serving).
     data_parallel_on_rank_failure: str = "exit"
@@ -339,23 +346,24 @@ class EngineArgs:
             data_parallel_size_local=self.data_parallel_size_local,
             data_parallel_backend=self.data_parallel_backend,
             data_parallel_on_rank_failure=self.data_parallel_on_rank_failure,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_start_rank=self.data_parallel_start_rank,
         )
 
     def _check_data_parallel(self, kv_connector: bool, speculative: Any = None) -> None:
         size = self.data_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, not {size!r}")
-        if self.data_parallel_backend == "ray":
-            raise ValueError("data_parallel_backend 'ray' (data-parallel ranks placed by Ray, "
-                             "across nodes) is not built yet; use 'mp' (local processes)")
-        if self.data_parallel_backend != "mp":
-            raise ValueError(f"data_parallel_backend must be 'mp', not "
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', not "
                              f"{self.data_parallel_backend!r}")
-        if self.data_parallel_size_local not in (None, size):
-            raise ValueError(
-                f"data_parallel_size_local ({self.data_parallel_size_local}) must equal "
-                f"data_parallel_size ({size}): multi-node data parallelism (ranks on other "
-                "machines) is not built yet, so every rank runs on this machine")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ValueError(f"data_parallel_rpc_port must be a port (1..65535), not "
+                             f"{self.data_parallel_rpc_port!r}")
+        check_placement(size, self.data_parallel_size_local, self.data_parallel_start_rank,
+                        self.data_parallel_address, self.data_parallel_backend,
+                        self.headless)
         if self.data_parallel_on_rank_failure not in ("exit", "continue"):
             raise ValueError("data_parallel_on_rank_failure must be 'exit' or 'continue', "
                              f"not {self.data_parallel_on_rank_failure!r}")

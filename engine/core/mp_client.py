@@ -3,7 +3,9 @@
 :class:`CoreProcess` starts the child (``python -m engine.core.core_proc``: a fresh
 interpreter, never a fork of a process with torch threads), binds the two ipc sockets in
 a private temp dir, waits for READY, and tears everything down on ``shutdown`` or, if
-the user forgets, at garbage collection / interpreter exit (``weakref.finalize``).
+the user forgets, at garbage collection / interpreter exit (``weakref.finalize``). Both
+it and :class:`AttachedCore` (a core someone else started: the ``--api-server-count``
+launcher, another node) are a :class:`CoreChannel`: the sockets, READY and liveness.
 
 :class:`SyncMPClient` implements the ``EngineCoreClient`` protocol for ``LLMEngine``;
 :class:`AsyncMPClient` is the asyncio flavour used by ``AsyncLLM``. Both notice a dead
@@ -25,6 +27,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ import zmq.asyncio
 import engine
 from engine.core import core_protocol as wire
 from engine.core.config import EngineConfig
+from engine.core.core_endpoints import pid_alive
 from engine.core.core_proc import CONFIG_FILE, DP_RANK_ENV, ipc_addresses
 from engine.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from engine.core.errors import EngineDeadError, EngineStartupError
@@ -48,12 +52,29 @@ _SEND_STALL_S = 5.0  # an alive core with no connected input socket counts as de
 _MAX_IPC_PATH = 100  # sun_path holds 108 bytes
 
 
-class CoreProcess:
-    """The child process, its sockets and its run directory."""
+# A front end's liveness check of a core it did not start: None while the core lives,
+# else why it counts as dead ("process 123 is gone", "no heartbeat for 10 s", ...).
+LivenessCheck = Callable[[], "str | None"]
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        self.config = config
-        self.run_dir = Path(tempfile.mkdtemp(prefix="engine-core-", dir=_ipc_temp_root()))
+
+def pid_liveness(pid: int) -> LivenessCheck:
+    """A core on this machine lives while its process does (a zombie counts as dead)."""
+
+    def check() -> str | None:
+        return None if pid_alive(pid) else f"process {pid} is gone"
+
+    return check
+
+
+class CoreChannel:
+    """The front end's two sockets to one core (bound here; the core connects), the
+    wire encoding, the READY handshake and liveness, without owning the core's process:
+    :class:`CoreProcess` spawns its core, :class:`AttachedCore` talks to one started by
+    someone else (the ``--api-server-count`` launcher, a remote node)."""
+
+    ready: wire.ReadyInfo
+
+    def __init__(self, input_address: str, output_address: str) -> None:
         self.ctx = zmq.Context(io_threads=1)
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket = self.ctx.socket(zmq.PULL)
@@ -61,48 +82,26 @@ class CoreProcess:
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        input_address, output_address = ipc_addresses(self.run_dir)
-        self.input_socket.bind(input_address)
-        self.output_socket.bind(output_address)
-        try:
-            (self.run_dir / CONFIG_FILE).write_text(config.model_dump_json())
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "engine.core.core_proc",
-                    "--run-dir",
-                    str(self.run_dir),
-                    "--parent-pid",
-                    str(os.getpid()),
-                ],
-                stdin=subprocess.DEVNULL,
-                env=_child_env(config),
-            )
-        except BaseException:
-            self.input_socket.close(linger=0)
-            self.output_socket.close(linger=0)
-            self.ctx.term()
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
-        self._finalizer = weakref.finalize(
-            self,
-            _cleanup,
-            self.process,
-            self.ctx,
-            (self.input_socket, self.output_socket),
-            self.run_dir,
-        )
         self.dead: EngineDeadError | None = None
         try:
-            self.ready = self._wait_ready(startup_timeout_s)
+            self.input_socket.bind(input_address)
+            self.output_socket.bind(output_address)
         except BaseException:
-            self.shutdown()
+            self._close_sockets()
             raise
+
+    def _close_sockets(self) -> None:
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.ctx.term()
+
+    def _exit_reason(self) -> str | None:
+        """None while the core lives, else why it is gone (e.g. "exited with signal 9")."""
+        raise NotImplementedError
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.ready.pid
 
     # -- startup ----------------------------------------------------------------------------
     def _wait_ready(self, timeout_s: float) -> wire.ReadyInfo:
@@ -116,11 +115,10 @@ class CoreProcess:
                     error = wire.dead_decoder.decode(payload).error
                     raise EngineStartupError(f"engine core failed to start: {error}")
                 raise EngineStartupError(f"engine core sent {tag!r} before READY")
-            returncode = self.process.poll()
-            if returncode is not None and not self.output_socket.poll(50):
+            reason = self._exit_reason()
+            if reason is not None and not self.output_socket.poll(50):
                 raise EngineStartupError(
-                    f"engine core process exited with {_describe_exit(returncode)} during "
-                    "startup (its log is above)"
+                    f"engine core {reason} during startup (its log is above)"
                 )
             if time.monotonic() > deadline:
                 raise EngineStartupError(f"engine core was not ready after {timeout_s:.0f} s")
@@ -129,11 +127,9 @@ class CoreProcess:
     def check_alive(self) -> None:
         """Raise EngineDeadError if the core has died (message or process exit)."""
         if self.dead is None:
-            returncode = self.process.poll()
-            if returncode is not None:
-                self.mark_dead(
-                    f"engine core process exited unexpectedly with {_describe_exit(returncode)}"
-                )
+            reason = self._exit_reason()
+            if reason is not None:
+                self.mark_dead(f"engine core {reason.replace('exited', 'exited unexpectedly', 1)}")
         if self.dead is not None:
             raise self.dead
 
@@ -144,7 +140,7 @@ class CoreProcess:
         return self.dead
 
     def exited(self) -> bool:
-        return self.process.poll() is not None
+        return self._exit_reason() is not None
 
     # -- messages ---------------------------------------------------------------------------
     def send(self, tag: bytes, message: Any) -> None:
@@ -179,12 +175,107 @@ class CoreProcess:
             raise self.mark_dead(f"engine core died: {wire.dead_decoder.decode(payload).error}")
         raise self.mark_dead(f"engine core sent an unknown message tag {tag!r}")
 
+
+
+class CoreProcess(CoreChannel):
+    """The child process, its sockets and its run directory."""
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self.config = config
+        self.run_dir = Path(tempfile.mkdtemp(prefix="engine-core-", dir=_ipc_temp_root()))
+        try:
+            super().__init__(*ipc_addresses(self.run_dir))
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        try:
+            (self.run_dir / CONFIG_FILE).write_text(config.model_dump_json())
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engine.core.core_proc",
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
+                stdin=subprocess.DEVNULL,
+                env=_child_env(config),
+            )
+        except BaseException:
+            self._close_sockets()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(
+            self,
+            _cleanup,
+            self.process,
+            self.ctx,
+            (self.input_socket, self.output_socket),
+            self.run_dir,
+        )
+        try:
+            self.ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _exit_reason(self) -> str | None:
+        returncode = self.process.poll()
+        return None if returncode is None else f"process exited with {_describe_exit(returncode)}"
+
     # -- teardown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the child (SIGTERM, then SIGKILL), close the sockets, remove the run dir."""
         if self.dead is None:
             self.dead = EngineDeadError("the engine core has been shut down")
         self._finalizer()
+
+
+class AttachedCore(CoreChannel):
+    """A channel to a core this process did not start (the launcher of several API
+    servers, or another node, started it with an ``endpoints.json`` naming these
+    addresses). Liveness: ``liveness`` when given (e.g. a heartbeat for a remote core),
+    else the pid the core reported in READY (same machine). ``shutdown`` only closes the
+    sockets: the core's owner stops it."""
+
+    def __init__(self, input_address: str, output_address: str, *,
+                 liveness: LivenessCheck | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        super().__init__(input_address, output_address)
+        self._liveness = liveness
+        self._finalizer = weakref.finalize(
+            self, _close_channel, self.ctx, (self.input_socket, self.output_socket))
+        try:
+            self.ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self._liveness is None:
+            self._liveness = pid_liveness(self.ready.pid)
+
+    def _exit_reason(self) -> str | None:
+        if self._liveness is None:  # before READY without a custom check: the timeout rules
+            return None
+        reason = self._liveness()
+        return None if reason is None else f"exited ({reason})"
+
+    def shutdown(self) -> None:
+        """Close this side's sockets (the core's owner stops the core)."""
+        if self.dead is None:
+            self.dead = EngineDeadError("the engine core channel has been closed")
+        self._finalizer()
+
+
+def _close_channel(ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
 
 
 def _cleanup(
@@ -241,7 +332,7 @@ def _track_finished(in_flight: set[str], outputs: EngineCoreOutputs) -> None:
 class OneCore:
     """What a client over one core process (``self.proc``) reports about it."""
 
-    proc: CoreProcess
+    proc: CoreChannel
 
     @property
     def num_kv_blocks(self) -> int:
@@ -320,9 +411,11 @@ class SyncMPClient(OneCore, CoreUtilities):
     """
 
     def __init__(
-        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        channel: CoreChannel | None = None,
     ) -> None:
-        self.proc = CoreProcess(config, startup_timeout_s)
+        # ``channel``: a core someone else started (AttachedCore); else spawn our own.
+        self.proc = channel or CoreProcess(config, startup_timeout_s)
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._results: dict[int, wire.UtilityResult] = {}
         self._in_flight: set[str] = set()
@@ -422,10 +515,12 @@ class AsyncMPClient(OneCore, AsyncCoreUtilities):
     """
 
     def __init__(
-        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        channel: CoreChannel | None = None,
     ) -> None:
         # The handshake is synchronous: construction returns once the model is loaded.
-        self.proc = CoreProcess(config, startup_timeout_s)
+        # ``channel``: a core someone else started (AttachedCore); else spawn our own.
+        self.proc = channel or CoreProcess(config, startup_timeout_s)
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None

@@ -53,8 +53,12 @@ class AsyncLLM:
     """Stream generations from an engine core running in another process."""
 
     def __init__(
-        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+        self, config: EngineConfig, *, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        client: Any = None,
     ) -> None:
+        """``client``: an asyncio core client over cores someone else started (the
+        ``--api-server-count`` launcher's, over attached channels); such cores are not
+        this engine's to restart. By default the engine starts its own."""
         self.config = config
         self.processor, self.tokenizer = build_processor(config)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -63,7 +67,8 @@ class AsyncLLM:
         self._startup_timeout_s = startup_timeout_s
         # Blocks until the core has loaded the model (or raises EngineStartupError); with
         # data parallelism, one core per rank behind an AsyncDPClient.
-        self.client = start_async_client(config, startup_timeout_s=startup_timeout_s)
+        self.attached = client is not None
+        self.client = client or start_async_client(config, startup_timeout_s=startup_timeout_s)
         # --max-model-len auto: the length the core resolved once the KV cache was sized.
         self.max_model_len = adopt_max_model_len(config, self.processor, self.client)
         self.num_core_restarts = 0
@@ -461,6 +466,8 @@ class AsyncLLM:
         error = self.fail_in_flight()
         if error is None:
             raise RuntimeError("the engine core is alive; refusing to restart it")
+        if self.attached:
+            raise error  # its cores belong to the launcher: they are not ours to restart
         if self._closed:
             raise error
         if self._handler is not None and not self._handler.done():

@@ -41,10 +41,11 @@ def test_dp2_equals_dp1_and_both_ranks_serve(llama_dir, dp1_outputs):
 
 
 def test_options_refused_by_name(llama_dir):
-    with pytest.raises(ValueError, match="multi-node data parallelism"):
+    with pytest.raises(ValueError, match="run on other nodes.*--data-parallel-address"):
         LLM(str(llama_dir), data_parallel_size=2, data_parallel_size_local=1, **OPTIONS)
-    with pytest.raises(ValueError, match="'ray'.*not built yet"):
-        LLM(str(llama_dir), data_parallel_size=2, data_parallel_backend="ray", **OPTIONS)
+    with pytest.raises(ValueError, match="ray places every rank itself"):
+        LLM(str(llama_dir), data_parallel_size=2, data_parallel_backend="ray",
+            data_parallel_size_local=1, **OPTIONS)
     lockstep = {"data_parallel_size": 2, "enable_expert_parallel": True, **OPTIONS}
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
         LLM(str(llama_dir), pipeline_parallel_size=2, **lockstep)

@@ -375,9 +375,12 @@ _BACKSTOP_S = 5  # after the grace period and the aborts, uvicorn cancels what i
 
 
 def run_server(engine: Any, settings: ServerSettings, *, log_level: str = "info",
-               access_log: bool = True, timeout_graceful_shutdown: int = 10) -> int:
+               access_log: bool = True, timeout_graceful_shutdown: int = 10,
+               sockets: list[Any] | None = None) -> int:
     """Serve until SIGINT / SIGTERM (or until the engine core dies for good); the engine
-    is shut down on the way out. Returns the exit code: 0, or 1 after core death."""
+    is shut down on the way out. Returns the exit code: 0, or 1 after core death.
+    ``sockets``: listening sockets to accept on instead of binding host:port (the
+    ``--api-server-count`` launcher's shared one)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -422,7 +425,7 @@ def run_server(engine: Any, settings: ServerSettings, *, log_level: str = "info"
         timer.start()
 
     state.stop_server = stop_after_core_death
-    server.run()
+    server.run(sockets=sockets)
     return state.exit_code
 
 

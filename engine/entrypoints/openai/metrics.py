@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -53,6 +54,9 @@ from engine.core.outputs import RequestMetrics
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Set by the --api-server-count launcher (before prometheus_client is imported) to a
+# directory the K server processes share: their counters live there (multiprocess mode).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 STATS_TIMEOUT_S = 5.0
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -303,7 +307,8 @@ class ServerMetrics:
             labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)  # export zeros from the start
-        self.registry.register(_StructuredOutputCollector(model_name, self._core))
+        self._structured = _StructuredOutputCollector(model_name, self._core)
+        self.registry.register(self._structured)
         self.structured_requests = Counter(
             "engine:structured_output_requests",
             "Constrained requests by how their constraint is enforced (full, or relaxed: "
@@ -378,4 +383,15 @@ class ServerMetrics:
         self._core.healthy = True
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        multiproc_dir = os.environ.get(MULTIPROC_ENV)
+        if not multiproc_dir:
+            return generate_latest(self.registry)
+        # Several API servers (--api-server-count): the per-request counters and
+        # histograms summed over every process's files, the cores' series once.
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, multiproc_dir)
+        registry.register(self._core)
+        registry.register(self._structured)
+        return generate_latest(registry)
