@@ -613,7 +613,7 @@ class CPUAttentionBackend(AttentionBackend):
             reason = self.validate(spec, self.block_size)
             if reason is not None:
                 raise ValueError(reason)
-            return CPUMLAAttentionImpl(spec)
+            return CPUMLAAttentionImpl(spec, load_kernels())
         if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
             raise ValueError(
                 f"num_heads ({spec.num_heads}) must be a multiple of "

@@ -45,6 +45,8 @@ _REFUSALS = {
     "embedding_rows": "a token id is outside the vocabulary",
     "rotary_neox": "a position is beyond the rotary table",
     "write_kv": "a KV slot is outside the cache",
+    "mla_write_entries": "an MLA cache slot is outside the cache",
+    "mla_decode_attention": "an MLA decode's length or block id is outside its table or cache",
 }
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 SOURCES = (
     "paged_decode_attention.c", "elementwise.c", "gemm.c", "forward_graph.c", "runtime.c",
-    "lora.c",
+    "lora.c", "shm_comm.c", "mla_decode.c",
 )
 HEADERS = ("cpu_math.h", "kernels.h", "simd.h", "gemm_bf16.h", "gemm_amx.h", "gemm_quant.h",
            "quant_act.h")

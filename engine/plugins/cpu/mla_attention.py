@@ -44,9 +44,17 @@ of its last block nor blocks outside its table. The index tensors depend only on
 batch, so they are built once per step (:class:`MLAPlan`, kept on the step's metadata)
 and shared by every MLA layer.
 
-Forward graphs: torch ops cannot be replayed by the CPU graph capturer, so a capture
-of a forward with an MLA layer is refused (:class:`GraphCaptureError`, raised before
-anything is stored) and the runner runs those decode steps eagerly.
+With the plugin's C kernels (:mod:`.native`, unless ``ENGINE_CPU_NATIVE_KERNELS=0``)
+and float32 / bf16 / fp16 activations, steps 1 and 2 are C calls instead: the store is
+``mla_write_entries`` (every slot checked before any is written) and the decodes are
+``mla_decode_attention`` (csrc/mla_decode.c), which reads each request's blocks in place,
+once for all heads, over the step's ``decode_block_tables`` / ``decode_seq_lens``; no
+plan is built for a decode-only step. Prefill chunks stay on SDPA (step 3).
+
+Forward graphs: a decode-only step on the C path is nothing but those two kernel calls,
+so the CPU graph capturer records it (:mod:`.graphs`). Any other capture (the torch path,
+or a step with prefill chunks) is refused with :class:`GraphCaptureError`, raised before
+anything is stored, and the runner runs that step eagerly.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from engine.plugins.cpu import native
 
 if TYPE_CHECKING:
     from engine.plugins.cpu.attention import CPUAttentionMetadata
+    from engine.plugins.cpu.native import CPUKernels
 
 
 def _capturing() -> bool:
@@ -140,12 +149,19 @@ class CPUMLAAttentionImpl(AttentionImpl):
     """One MLA layer on the CPU: store the step's latent entries, then attend (torch
     ops, see the module docstring)."""
 
-    def __init__(self, spec: AttentionLayerSpec) -> None:
+    def __init__(self, spec: AttentionLayerSpec, kernels: CPUKernels | None = None) -> None:
         if not spec.is_mla:
             raise ValueError("CPUMLAAttentionImpl serves MLA layers (kv_lora_rank set)")
         super().__init__(spec)
         self.lora_rank = int(spec.kv_lora_rank)
         self.entry_size = spec.head_size
+        self.kernels = kernels  # the C store / decode kernels; None: torch ops only
+
+    def _native(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether this step's store and decodes run the C kernels (dtypes they take)."""
+        codes = native.DTYPE_CODES
+        return (self.kernels is not None and query.dtype in codes and kv_cache.dtype in codes
+                and query.stride(2) == 1 and kv_cache.is_contiguous())
 
     def forward(
         self,
@@ -155,10 +171,6 @@ class CPUMLAAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,  # [num_blocks, block_size, D]
         metadata: CPUAttentionMetadata,
     ) -> torch.Tensor:  # [T, H, L]
-        if _capturing():
-            raise GraphCaptureError(
-                "MLA attention runs torch ops on the CPU (no C kernel to replay)"
-            )
         spec, entry = self.spec, self.entry_size
         num_tokens = query.shape[0]
         if query.dim() != 3 or query.shape[1:] != (spec.num_heads, entry):
@@ -170,6 +182,15 @@ class CPUMLAAttentionImpl(AttentionImpl):
                 f"MLA cache must be [num_blocks, {metadata.block_size}, {entry}], got "
                 f"{tuple(kv_cache.shape)}"
             )
+        use_c = self._native(query, kv_cache)
+        decode_only = metadata.decode_rows is None and not metadata.prefills
+        if _capturing() and not (use_c and decode_only):
+            raise GraphCaptureError(
+                "MLA attention runs torch ops on the CPU here (only decode-only steps on the "
+                "C kernels can be replayed)"
+            )
+        if use_c:
+            return self._forward_native(query, key, kv_cache, metadata, decode_only)
         plan = metadata.mla_plan
         if plan is None:
             plan = metadata.mla_plan = MLAPlan.build(metadata)
@@ -188,6 +209,50 @@ class CPUMLAAttentionImpl(AttentionImpl):
         for p in plan.prefills:
             out[p.start : p.end] = self._prefill(query[p.start : p.end], flat, p.keys, compute)
         return out
+
+    def _forward_native(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+        decode_only: bool,
+    ) -> torch.Tensor:
+        """The C store and decode kernels (prefill chunks on SDPA, over the step plan)."""
+        kernels, num_tokens = self.kernels, query.shape[0]
+        if key is not None:
+            if key.shape != (num_tokens, 1, self.entry_size):
+                raise ValueError(
+                    f"MLA key must be the latent entries [T, 1, {self.entry_size}], got "
+                    f"{tuple(key.shape)}"
+                )
+            rows = key[:, 0]
+            if rows.stride(-1) != 1 or rows.dtype not in native.DTYPE_CODES:
+                rows = rows.contiguous().to(kv_cache.dtype)  # eager only: a copy
+            kernels.mla_write_entries(rows, metadata.slot_mapping, kv_cache)
+        if decode_only:
+            return self._decode_native(query, kv_cache, metadata)
+        plan = metadata.mla_plan
+        if plan is None:
+            plan = metadata.mla_plan = MLAPlan.build(metadata)
+        compute = torch.float32
+        flat = kv_cache.view(-1, self.entry_size)
+        out = query.new_empty(num_tokens, self.spec.num_heads, self.lora_rank)
+        if metadata.num_decodes:
+            out[plan.decode_rows] = self._decode_native(query[plan.decode_rows], kv_cache,
+                                                        metadata)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(query[p.start : p.end], flat, p.keys, compute)
+        return out
+
+    def _decode_native(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata
+    ) -> torch.Tensor:
+        """Every decode's ``query`` [Rd, H, D] over its blocks in place -> [Rd, H, L]."""
+        return self.kernels.mla_decode_attention(
+            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, self.lora_rank,
+            self.spec.scale,
+        )
 
     def _write(
         self, flat: torch.Tensor, key: torch.Tensor, plan: MLAPlan, num_tokens: int

@@ -215,6 +215,16 @@ class CPUKernels(FusedOps):
             _i32, _i32, _i32, _i32, _i32,  # num_kv_heads, head_size, block_size, dtypes
             _f32, _f32,  # fp8 k_scale, v_scale
         ])
+        self._mla_decode = _bind_op(lib.mla_decode_attention, [
+            _ptr, _i64, _i64, _ptr,  # q, q_req_stride, q_head_stride, kv_cache
+            _ptr, _i64, _ptr, _ptr,  # block_tables, bt_stride, seq_lens, out
+            _i32, _i32, _i32, _i32, _i32, _i64,  # R, H, D, L, block_size, num_blocks
+            _i32, _f32, _i32, _i32,  # cache dtype, scale, num_splits, query dtype
+        ])
+        self._mla_write = _bind_op(lib.mla_write_entries, [
+            _ptr, _i64, _ptr, _i64, _ptr, _i64,  # entries, row stride, slots, T, cache, slots
+            _i32, _i32, _i32,  # D, cache dtype, entries' dtype
+        ])
         self._rms_norm = _bind_op(lib.rms_norm, [
             _ptr, _i64, _i64, _ptr, _i64,  # x, token stride, heads, residual, its stride
             _ptr, _ptr, _i64, _i64, _f32, _i32,  # weight, out, rows, hidden, eps, dtype
@@ -266,6 +276,12 @@ class CPUKernels(FusedOps):
 
     def __repr__(self) -> str:
         return f"CPUKernels(level={self.level!r}, path={str(self.path)!r})"
+
+    @property
+    def library(self) -> ctypes.CDLL:
+        """The loaded library, for modules that bind entry points of their own
+        (:mod:`.shm_segment`)."""
+        return self._lib
 
     def key_layout(self, dtype: torch.dtype) -> KeyLayout:
         """The K cache layout :meth:`write_kv` writes and the decode kernel reads (fp8
@@ -741,6 +757,78 @@ class CPUKernels(FusedOps):
                 f"paged_decode_attention refused heads {num_heads}/{num_kv_heads} of size "
                 f"{head_size} (block size {block_size})"
             )
+        return out
+
+
+    # -- MLA (csrc/mla_decode.c) -------------------------------------------------------------
+    def mla_write_entries(self, entries: torch.Tensor, slots: torch.Tensor,
+                          kv_cache: torch.Tensor) -> None:
+        """Store latent entries ``[T, D]`` (rows strided, dims contiguous) at int64
+        ``slots`` of ``kv_cache [num_blocks, block_size, D]`` (-1: skipped), rounded to the
+        cache's dtype; the C code checks every slot before writing any."""
+        num_tokens, entry = entries.shape
+        if entries.dtype not in DTYPE_CODES or kv_cache.dtype not in DTYPE_CODES:
+            raise ValueError(f"mla_write_entries: entries {entries.dtype} / cache "
+                             f"{kv_cache.dtype}: float32, bf16 or fp16 needed")
+        if (kv_cache.dim() != 3 or kv_cache.shape[2] != entry or not kv_cache.is_contiguous()
+                or entries.stride(1) != 1):
+            raise ValueError(f"mla_write_entries: entries {tuple(entries.shape)} do not fit a "
+                             f"contiguous cache {tuple(kv_cache.shape)}")
+        if slots.dtype != torch.int64 or slots.shape != (num_tokens,) or not slots.is_contiguous():
+            raise ValueError(f"slots must be a contiguous int64 [{num_tokens}]")
+        status = self._mla_write(entries.data_ptr(), _row_stride(entries) if num_tokens else entry,
+                                 slots.data_ptr(), num_tokens, kv_cache.data_ptr(),
+                                 kv_cache.shape[0] * kv_cache.shape[1], entry,
+                                 DTYPE_CODES[kv_cache.dtype], DTYPE_CODES[entries.dtype])
+        if status != 0:
+            raise ValueError(f"a slot is outside the MLA cache {tuple(kv_cache.shape)} (or "
+                             "below -1)")
+
+    def mla_decode_attention(
+        self,
+        query: torch.Tensor,  # [R, H, D], last dim contiguous, float32 / bf16 / fp16
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, D], contiguous
+        block_tables: torch.Tensor,  # int64 [R, M], last dim contiguous
+        seq_lens: torch.Tensor,  # int64 [R], contiguous, each >= 1
+        lora_rank: int,
+        scale: float,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        """MLA decode attention straight from the paged latent cache: ``[R, H, L]`` in the
+        query's dtype, ``L = lora_rank`` (the entries' first dims are the values). Every
+        head shares the request's entries (multi-query); ``num_splits`` key ranges per
+        request (None: the kernel's choice, as :meth:`decode_key_splits` for one KV head)."""
+        num_reqs, num_heads, entry = query.shape
+        dtype = kv_cache.dtype
+        if query.dtype not in DTYPE_CODES or dtype not in DTYPE_CODES:
+            raise ValueError(f"MLA decode: query {query.dtype} / cache {dtype}: float32, bf16 "
+                             "or fp16 needed")
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != entry or not kv_cache.is_contiguous():
+            raise ValueError(f"MLA decode: the cache must be a contiguous [blocks, block_size, "
+                             f"{entry}], not {tuple(kv_cache.shape)}")
+        if not 0 < lora_rank <= entry or query.stride(2) != 1:
+            raise ValueError(f"MLA decode: lora rank {lora_rank} of entries of {entry}, and "
+                             "query rows contiguous in the entry dim")
+        if block_tables.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+            raise ValueError("block tables and sequence lengths must be int64")
+        if (block_tables.dim() != 2 or block_tables.shape[0] != num_reqs
+                or block_tables.stride(1) != 1 or seq_lens.shape != (num_reqs,)
+                or not seq_lens.is_contiguous()):
+            raise ValueError("block table rows and sequence lengths must be contiguous, one "
+                             "per request")
+        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+        out = torch.empty((num_reqs, num_heads, lora_rank), dtype=query.dtype)
+        status = self._mla_decode(
+            query.data_ptr(), query.stride(0), query.stride(1), kv_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            out.data_ptr(), num_reqs, num_heads, entry, lora_rank, kv_cache.shape[1],
+            kv_cache.shape[0], DTYPE_CODES[dtype], scale, num_splits or 0,
+            DTYPE_CODES[query.dtype])
+        if status == -2:
+            raise ValueError("MLA decode: a sequence length or block id is outside its block "
+                             f"table or the cache of {kv_cache.shape[0]} blocks")
+        _check(status, f"mla_decode_attention ({num_heads} heads, entries of {entry})")
         return out
 
 

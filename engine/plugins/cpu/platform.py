@@ -443,6 +443,17 @@ class CPUPlatform(Platform):
         return [CPUFusedMoE]
 
     def communicator_cls(self) -> type[Communicator]:
+        """Shared memory between the ranks of one host (each group falls back to gloo
+        when its ranks are not all here); ``ENGINE_CPU_COMMUNICATOR=gloo`` forces gloo,
+        as does running without the C kernels."""
         from engine.distributed import GlooCommunicator
+        from engine.plugins.cpu.native import native_kernels_enabled
 
-        return GlooCommunicator
+        choice = os.environ.get("ENGINE_CPU_COMMUNICATOR", "auto").strip().lower() or "auto"
+        if choice not in ("auto", "shm", "gloo"):
+            raise ValueError(f"ENGINE_CPU_COMMUNICATOR={choice!r}: expected auto, shm or gloo")
+        if choice == "gloo" or not native_kernels_enabled():
+            return GlooCommunicator
+        from engine.plugins.cpu.shm_communicator import ShmCommunicator
+
+        return ShmCommunicator

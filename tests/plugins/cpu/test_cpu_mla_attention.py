@@ -255,13 +255,32 @@ def _graph_batch(case: MLACase) -> AttentionBatch:
     )
 
 
-def test_graph_capture_is_refused_before_anything_is_stored(engine_kernels, monkeypatch):
-    """Capturing a forward with an MLA layer raises GraphCaptureError (so the runner runs
-    eagerly) and stores nothing; without the layer's own check the capturer's torch-op
-    guard refuses too. The graph metadata still serves an eager forward."""
+def test_graph_capture_records_decode_only_steps(engine_kernels):
+    """A decode-only step on the C kernels records into a forward graph (store + decode,
+    nothing run at capture); its replay stores the entries and matches float64."""
     case = make_case(DECODE, 4, 16, 8, 8, torch.float32, seed=8)
     before = case.kv_cache.clone()
     impl = case.backend.make_impl(case.spec)
+    assert impl.kernels is not None
+    metadata = case.backend.build_graph_metadata(_graph_batch(case))
+    graph = CPUGraphCapturer(engine_kernels).capture(
+        lambda: impl.forward(case.query, case.key, None, case.kv_cache, metadata))
+    assert graph._plan.kernel_names == ["mla_write_entries", "mla_decode_attention"]
+    torch.testing.assert_close(case.kv_cache, before, atol=0, rtol=0, equal_nan=True)
+    assert metadata.mla_plan is None
+    with torch.inference_mode():
+        out = graph.replay()
+    torch.testing.assert_close(out.double(), reference(case), atol=1e-5, rtol=0)
+    check_cache(case)
+
+
+def test_graph_capture_is_refused_before_anything_is_stored(engine_kernels, monkeypatch):
+    """On the torch path (no C kernels) a capture raises GraphCaptureError (so the runner
+    runs eagerly) and stores nothing; without the layer's own check the capturer's
+    torch-op guard refuses too. The graph metadata still serves an eager forward."""
+    case = make_case(DECODE, 4, 16, 8, 8, torch.float32, seed=8)
+    before = case.kv_cache.clone()
+    impl = CPUMLAAttentionImpl(case.spec, kernels=None)
     metadata = case.backend.build_graph_metadata(_graph_batch(case))
     capturer = CPUGraphCapturer(engine_kernels)
 
@@ -279,6 +298,17 @@ def test_graph_capture_is_refused_before_anything_is_stored(engine_kernels, monk
     check_cache(case)
 
 
+def test_mixed_step_capture_is_refused(engine_kernels):
+    case = make_case(MIXED, 4, 16, 8, 8, torch.float32, seed=3)
+    before = case.kv_cache.clone()
+    impl = case.backend.make_impl(case.spec)
+    metadata = case.backend.build_metadata(case.batch)
+    with torch.inference_mode(), pytest.raises(GraphCaptureError, match="decode-only"):
+        CPUGraphCapturer(engine_kernels).capture(
+            lambda: impl.forward(case.query, case.key, None, case.kv_cache, metadata))
+    torch.testing.assert_close(case.kv_cache, before, atol=0, rtol=0, equal_nan=True)
+
+
 class _MLAModel(torch.nn.Module):
     """A model whose only computation is one MLA layer over precomputed inputs."""
 
@@ -294,11 +324,7 @@ class _MLAModel(torch.nn.Module):
         return out.flatten(1)
 
 
-def test_decode_graphs_fall_back_to_eager_steps(engine_kernels, caplog):
-    """The runner's DecodeGraphs: the capture of an MLA forward is refused once per batch
-    size, with a log line; the step then runs eagerly and matches the reference."""
-    case = make_case(DECODE, 4, 16, 8, 8, torch.float32, seed=9)
-    impl = case.backend.make_impl(case.spec)
+def _decode_graphs(case: MLACase, impl, engine_kernels) -> tuple[DecodeGraphs, StepIndices]:
     model = _MLAModel(impl, case.query, case.key)
     graphs = DecodeGraphs(CPUGraphCapturer(engine_kernels), model, case.backend,
                           [case.kv_cache], max_batch_size=8,
@@ -312,6 +338,30 @@ def test_decode_graphs_fall_back_to_eager_steps(engine_kernels, caplog):
         sample_batch_idx=np.arange(n), logits_indices=np.arange(n),
         max_query_len=1, max_seq_len=case.batch.max_seq_len,
     )
+    return graphs, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_graphs_replay_mla_steps(engine_kernels, dtype):
+    """The runner's DecodeGraphs capture a decode-only MLA step on the C kernels and
+    replay it: same output as float64, entries stored."""
+    case = make_case(DECODE, 5, 16, 8, 8, dtype, seed=9)
+    graphs, step = _decode_graphs(case, case.backend.make_impl(case.spec), engine_kernels)
+    assert graphs.covers(step)
+    with torch.inference_mode():
+        out = graphs.forward(step)
+    assert out is not None and graphs.captured_sizes == [case.batch.num_reqs]
+    torch.testing.assert_close(out.view(-1, 5, 16).double(), reference(case),
+                               atol=ATOL[dtype], rtol=0)
+    check_cache(case)
+
+
+def test_decode_graphs_fall_back_to_eager_steps(engine_kernels, caplog):
+    """Without the C kernels the capture of an MLA forward is refused once per batch
+    size, with a log line; the step then runs eagerly and matches the reference."""
+    case = make_case(DECODE, 4, 16, 8, 8, torch.float32, seed=9)
+    impl = CPUMLAAttentionImpl(case.spec, kernels=None)
+    graphs, step = _decode_graphs(case, impl, engine_kernels)
     assert graphs.covers(step)
     before = case.kv_cache.clone()
     with torch.inference_mode(), caplog.at_level("INFO", "engine.model_executor.decode_graphs"):
@@ -319,5 +369,6 @@ def test_decode_graphs_fall_back_to_eager_steps(engine_kernels, caplog):
     assert "run eagerly" in caplog.text and "MLA" in caplog.text
     assert not graphs.covers(step) and graphs.captured_sizes == []
     torch.testing.assert_close(case.kv_cache, before, atol=0, rtol=0, equal_nan=True)
-    out = run(case)  # the eager step
+    metadata = case.backend.build_metadata(case.batch)
+    out = impl.forward(case.query, case.key, None, case.kv_cache, metadata)  # the eager step
     torch.testing.assert_close(out.double(), reference(case), atol=1e-5, rtol=0)

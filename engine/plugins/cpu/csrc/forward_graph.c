@@ -31,13 +31,15 @@ enum {
     GK_RESIDUAL_ADD,
     GK_LORA_SHRINK,
     GK_LORA_EXPAND,
+    GK_MLA_DECODE_ATTENTION,
+    GK_MLA_WRITE_ENTRIES,
     GK_COUNT
 };
 
 static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
     "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain", "qgemm",
-    "residual_add", "lora_shrink", "lora_expand",
+    "residual_add", "lora_shrink", "lora_expand", "mla_decode_attention", "mla_write_entries",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -113,6 +115,14 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
         case GK_LORA_EXPAND:
             status = lora_expand(P(0), a[1], P(2), P(3), P(4), a[5], P(6), a[7], a[8], a[9],
                                  a[10], a[11], I(12));
+            break;
+        case GK_MLA_DECODE_ATTENTION:
+            status = mla_decode_attention(P(0), a[1], a[2], P(3), P(4), a[5], P(6), P(7), I(8),
+                                          I(9), I(10), I(11), I(12), a[13], I(14),
+                                          f32_word(a[15]), I(16), I(17));
+            break;
+        case GK_MLA_WRITE_ENTRIES:
+            status = mla_write_entries(P(0), a[1], P(2), a[3], P(4), a[5], I(6), I(7), I(8));
             break;
         default:
             status = -2;

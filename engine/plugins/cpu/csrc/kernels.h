@@ -37,6 +37,19 @@ int write_kv(const void *key, int64_t k_tok_stride, int64_t k_head_stride,
              const int64_t *slots, int64_t num_tokens, void *k_cache, void *v_cache,
              int64_t num_blocks, int num_kv_heads, int head_size, int block_size, int dtype,
              int src_dtype, float k_scale, float v_scale);
+/* MLA decode (mla_decode.c): q [R, H, D] in q_dtype (strided rows), kv_cache [num_blocks,
+ * block_size, D] latent entries in dtype (f32 / bf16 / f16), out contiguous [R, H, L] in
+ * q_dtype; -2 when a request's length or block id is outside its table or the cache. */
+int mla_decode_attention(const void *q, int64_t q_req_stride, int64_t q_head_stride,
+                         const void *kv_cache, const int64_t *block_tables, int64_t bt_stride,
+                         const int64_t *seq_lens, void *out, int num_reqs, int num_heads,
+                         int entry, int lora, int block_size, int64_t num_blocks, int dtype,
+                         float scale, int num_splits, int q_dtype);
+/* Store latent entries [T, D] (row stride given) at their slots (-1: skipped; -2 returned,
+ * nothing written, when a slot is outside the num_slots of the cache). */
+int mla_write_entries(const void *entries, int64_t row_stride, const int64_t *slots,
+                      int64_t num_tokens, void *kv_cache, int64_t num_slots, int entry,
+                      int dtype, int src_dtype);
 int rms_norm(const void *x, int64_t x_stride, int64_t heads, void *residual,
              int64_t res_stride, const void *weight, void *out, int64_t rows, int64_t hidden,
              float eps, int dtype);
