@@ -30,14 +30,25 @@ def _meminfo_kib(field: str) -> int:
 
 
 # -- CPU ----------------------------------------------------------------------------------
-def test_cpu_identity_and_dtypes() -> None:
+def test_cpu_identity_and_dtypes(monkeypatch) -> None:
+    from engine.plugins.cpu.native import load_kernels
+    from engine.plugins.cpu.shm_communicator import ShmCommunicator
+
     cpu = CPUPlatform()
     assert (cpu.name, cpu.device_type, cpu.priority, cpu.dist_backend) == ("cpu", "cpu", 0, "gloo")
     assert CPUPlatform.probe().available
     assert cpu.supported_dtypes() == [torch.float32, torch.bfloat16, torch.float16]
     assert cpu.check_dtype(torch.float64) is not None
     assert cpu.device() == torch.device("cpu", 0)
+    # Same-host groups reduce through shared memory (gloo underneath, and for groups that
+    # span hosts); ENGINE_CPU_COMMUNICATOR=gloo forces plain gloo.
+    want = ShmCommunicator if load_kernels() is not None else GlooCommunicator
+    assert cpu.communicator_cls() is want and issubclass(want, GlooCommunicator)
+    monkeypatch.setenv("ENGINE_CPU_COMMUNICATOR", "gloo")
     assert cpu.communicator_cls() is GlooCommunicator
+    monkeypatch.setenv("ENGINE_CPU_COMMUNICATOR", "nccl")
+    with pytest.raises(ValueError, match="ENGINE_CPU_COMMUNICATOR"):
+        cpu.communicator_cls()
 
 
 def test_cpu_memory_agrees_with_proc_meminfo() -> None:
