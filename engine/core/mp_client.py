@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +67,7 @@ def pid_liveness(pid: int) -> LivenessCheck:
     return check
 
 
-class CoreChannel:
+class CoreChannel(ABC):
     """The front end's two sockets to one core (bound here; the core connects), the
     wire encoding, the READY handshake and liveness, without owning the core's process:
     :class:`CoreProcess` spawns its core, :class:`AttachedCore` talks to one started by
@@ -95,9 +96,9 @@ class CoreChannel:
         self.output_socket.close(linger=0)
         self.ctx.term()
 
+    @abstractmethod
     def _exit_reason(self) -> str | None:
         """None while the core lives, else why it is gone (e.g. "exited with signal 9")."""
-        raise NotImplementedError
 
     @property
     def pid(self) -> int:
