@@ -24,17 +24,23 @@ def dp1_outputs(llama_dir):
             use_tqdm=False)]
 
 
+def assert_two_ranks_equal_one(llm, dp1_outputs) -> tuple[SyncDPClient, list[int]]:
+    """Two core processes whose greedy outputs are one core's, both having run prompts;
+    returns the client and each rank's computed prompt tokens."""
+    client = llm.llm_engine.client
+    assert isinstance(client, SyncDPClient)
+    assert len(set(client.pids)) == 2
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == dp1_outputs
+    computed = [stats.prompt_tokens_computed_total for stats in client.get_engine_stats()]
+    assert all(n > 0 for n in computed), computed  # both ranks ran prompts
+    return client, computed
+
+
 def test_dp2_equals_dp1_and_both_ranks_serve(llama_dir, dp1_outputs):
     with LLM(str(llama_dir), data_parallel_size=2, **OPTIONS) as llm:
-        client = llm.llm_engine.client
-        assert isinstance(client, SyncDPClient)
-        assert len(set(client.pids)) == 2
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
-                                                       ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == dp1_outputs
-        per_rank = client.get_engine_stats()
-        computed = [stats.prompt_tokens_computed_total for stats in per_rank]
-        assert all(n > 0 for n in computed), computed  # both ranks ran prompts
+        client, computed = assert_two_ranks_equal_one(llm, dp1_outputs)
         assert llm.llm_engine.client.get_stats().prompt_tokens_computed_total == sum(computed)
         assert llm.reset_prefix_cache() is True  # a utility on every rank
         assert not client.router.owner  # every request finished and left the count

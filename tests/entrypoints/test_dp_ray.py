@@ -13,9 +13,12 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.core.dp_client import SyncDPClient
-from tests.entrypoints.test_data_parallel import OPTIONS, PROMPTS, dp1_outputs  # noqa: F401
+from engine import LLM
+from tests.entrypoints.test_data_parallel import (  # noqa: F401 - dp1_outputs: a fixture
+    OPTIONS,
+    assert_two_ranks_equal_one,
+    dp1_outputs,
+)
 from tests.model_executor.test_parallel_executor import (
     _assert_pids_gone,
     _import_ray_or_skip,
@@ -56,14 +59,7 @@ def test_ray_dp2_equals_dp1(llama_dir, dp1_outputs, monkeypatch, request):  # no
         time.sleep(0.2)
     with LLM(str(llama_dir), data_parallel_size=2, data_parallel_backend="ray",
              **OPTIONS) as llm:
-        client = llm.llm_engine.client
-        assert isinstance(client, SyncDPClient)
-        assert len(set(client.pids)) == 2
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
-                                                       ignore_eos=True), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == dp1_outputs
-        computed = [s.prompt_tokens_computed_total for s in client.get_engine_stats()]
-        assert all(n > 0 for n in computed), computed
+        client, _ = assert_two_ranks_equal_one(llm, dp1_outputs)
         cores = list(client.pids)
         [group] = ray.util.placement_group_table().values()
         assert len(set(group["bundles_to_node_id"].values())) == 2, group  # both nodes
