@@ -477,9 +477,12 @@ def check_batch_invariant(torch, device, peak_tbs, peak_tflops, small=False) -> 
         return torch.randn(*shape, generator=dgen, device=device, dtype=torch.float32).to(dtype)
 
     def invariant(fn, target, pool) -> bool:
-        """fn(rows)[place] == fn(target) for the target placed among pool rows."""
+        """fn(rows)[place] == fn(target) for the target placed among pool rows (the
+        batch sizes the pool covers)."""
         alone = fn(target)[0]
         for rows, place in batches:
+            if rows - 1 > len(pool):
+                break
             batch = torch.cat([pool[:place], target, pool[place : rows - 1]])
             if not torch.equal(fn(batch)[place], alone):
                 return False

@@ -62,7 +62,27 @@ for platform in ${ENGINE_KIT_PLATFORMS:-cuda rocm xpu}; do
 sys.exit(not any(p.name == '$platform' and p.available for p in r().platforms()))" 2>/dev/null \
     || continue
   echo "== conformance kit: --engine-platform $platform"
-  "$PY" -m pytest -q -p no:cacheprovider -p engine.testing.pytest_plugin \
+  # The engine's pytest plugin comes in through its pytest11 entry point (installed above).
+  "$PY" -m pytest -q -p no:cacheprovider \
     --pyargs engine.testing.conformance --engine-platform "$platform" || status=1
 done
+# The Triton kernel tests (written for the interpreter on CPU tensors) compiled on this GPU,
+# with their own float64 references: ci/gpu_kernel_shim.py moves each launcher's tensors.
+# ENGINE_GPU_KERNEL_TESTS=0 skips them; ENGINE_GPU_KERNEL_TESTS_TIMEOUT bounds them (s).
+# Deselected: tests of the interpreter's own rules (CPU tensors accepted by can_implement,
+# a layer or engine built on the CPU device) and tests that launch their own jit kernels.
+if [[ "${ENGINE_GPU_KERNEL_TESTS:-1}" != "0" ]] \
+    && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "== Triton kernel tests on the GPU (ci/gpu_kernel_shim.py)"
+  TRITON_INTERPRET=0 PYTHONPATH="ci:$PYTHONPATH" timeout "${ENGINE_GPU_KERNEL_TESTS_TIMEOUT:-180}" \
+    "$PY" -m pytest -q -p no:cacheprovider -p gpu_kernel_shim -o addopts="" -rfE \
+    tests/kernels/test_mla_attention.py tests/kernels/test_lora_kernels.py \
+    tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_bias.py \
+    tests/kernels/test_fused_moe_ungated.py tests/kernels/test_encoder_attention.py \
+    tests/kernels/test_triton_attention.py tests/kernels/test_reshape_and_cache.py \
+    tests/kernels/test_fp8_kv.py tests/kernels/ssm/test_ssm_ops.py \
+    -k "not can_implement and not kernel_selection and not runs_ungated_experts \
+and not every_code_decodes and not encoding_is_quantize_kv and not matches_the_cpu_backend" \
+    || status=1
+fi
 exit $status

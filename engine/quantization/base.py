@@ -70,7 +70,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int, order: Sequence[int]
         raise ValueError(f"{bits}-bit codes are not packed whole into int32 words")
     per_word = 32 // bits
     shifts = torch.tensor([bits * (order[j] if order is not None else j)
-                           for j in range(per_word)], dtype=torch.int64)
+                           for j in range(per_word)], dtype=torch.int64, device=packed.device)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     moved = words.movedim(dim, -1).unsqueeze(-1)
     codes = (moved >> shifts) & ((1 << bits) - 1)
@@ -80,7 +80,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int, order: Sequence[int]
 
 def expand_rows(values: torch.Tensor, shard_sizes: Sequence[int]) -> torch.Tensor:
     """A per-shard vector ``[S]`` repeated over each shard's output rows: ``[N, 1]``."""
-    sizes = torch.tensor(list(shard_sizes))
+    sizes = torch.tensor(list(shard_sizes), device=values.device)
     return values.reshape(-1).float().repeat_interleave(sizes).unsqueeze(1)
 
 
@@ -194,5 +194,5 @@ def shard_g_idx(layer: nn.Module, g_idx: torch.Tensor) -> torch.Tensor:
 
 def trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
     """Whether ``g_idx`` is the plain ``k // group_size`` (no reordering needed)."""
-    plain = torch.arange(g_idx.numel(), dtype=torch.int64) // group_size
+    plain = torch.arange(g_idx.numel(), dtype=torch.int64, device=g_idx.device) // group_size
     return bool((g_idx.to(torch.int64) == plain).all())

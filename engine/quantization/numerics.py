@@ -37,7 +37,7 @@ def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     nibble): ``[..., K]``."""
     low = (packed & 0x0F).long()
     high = (packed >> 4).long()
-    return E2M1_TABLE[torch.stack((low, high), dim=-1).flatten(-2)]
+    return E2M1_TABLE.to(packed.device)[torch.stack((low, high), dim=-1).flatten(-2)]
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,9 @@ def _scales(x: torch.Tensor, act: ActivationQuant) -> torch.Tensor:
         top = mag.amax().reshape(1, 1)
     else:
         top = mag.unflatten(-1, (-1, act.group_size)).amax(dim=-1, keepdim=True)
-    return top / _RANGE_HALF[act.encoding]
+    # A tensor divisor, not a Python float: CUDA torch turns division by a scalar into a
+    # multiply by its reciprocal (off by an ulp), the kernels and CPU torch divide exactly.
+    return top / torch.full_like(top, _RANGE_HALF[act.encoding])
 
 
 def _quantize_values(scaled: torch.Tensor, encoding: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ def dequantize(weights: QuantizedWeights) -> torch.Tensor:
     spec = weights.spec
     values = e2m1_decode(weights.codes) if spec.encoding == "nvfp4" else weights.codes.float()
     groups = (weights.g_idx if weights.g_idx is not None
-              else torch.arange(spec.in_features) // spec.group_size)
+              else torch.arange(spec.in_features, device=values.device) // spec.group_size)
     if spec.encoding == "int":
         zeros = weights.zeros
         values = values - (zeros.float()[:, groups] if zeros is not None

@@ -83,3 +83,22 @@ def test_batch_invariant_section_wiring_on_tiny_cpu_shapes() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[] [True, True, True, True]"
+
+
+def test_the_gpu_kernel_shim_keeps_the_kernel_tests_meaning_on_another_device() -> None:
+    """ci/gpu_kernel_shim.py moves each Triton launcher's tensors to the GPU and back; in
+    its ``cpu`` mode (each argument cloned, kernels interpreted) the kernel tests must still
+    pass: written outputs reach the caller's tensors, returned ``out=`` keeps its identity,
+    and every launcher named in it exists."""
+    repo = SCRIPT.parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ENGINE_GPU_SHIM_DEVICE": "cpu",
+           "PYTHONPATH": str(repo / "ci")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+         "gpu_kernel_shim", "tests/kernels/test_mla_attention.py",
+         "tests/kernels/test_lora_kernels.py", "-k", "not can_implement"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=repo, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "Triton launchers run on cpu" in proc.stdout
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
