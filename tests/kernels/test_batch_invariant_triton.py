@@ -6,7 +6,12 @@ token computed as a decode, inside a speculative verification, inside a prefill 
 or in one whole prefill. Closeness to float64 shows the kernels compute the right thing.
 Under TRITON_INTERPRET=1 (conftest.py) ``tl.dot`` is a numpy matmul of the fixed tile
 shape; the interpreter rounds float32 to bfloat16 by truncation, so bf16 results are
-compared with float64 at a bf16 tolerance only.
+compared with float64 at a bf16 tolerance only. numpy's BLAS is not row-invariant on
+every CPU (OpenBLAS's AVX2 sgemm rounds some rows of a tile differently from others, by
+their place in its register blocks; its AVX-512 kernels do not), while one MMA
+accumulation chain per output element is: the module's fixture makes the interpreted dot
+that chain, so what is tested is the kernels' tiling and order, on any CPU. On a GPU the
+same tests run with real ``tl.dot`` (ci/gpu_kernel_shim.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,27 @@ from engine.kernels.triton_backend import NUM_KV_SPLITS_ENV, TritonAttentionBack
 from engine.kernels.unified_attention import choose_num_kv_splits, unified_attention
 
 BATCHES = ((1, 0), (3, 1), (17, 16), (64, 37))  # (rows, target's place)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_dot_is_one_chain_per_element(monkeypatch):
+    """The interpreter's ``tl.dot`` as each output element's own in-order fp32 sum over K
+    (einsum's sum-of-products loop), never a BLAS kernel whose rounding of a row depends
+    on the row's place in the tile."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    plain_dot = interpreter.InterpreterBuilder.create_dot
+
+    def chained_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...ik,...kj->...ij", a.data, b.data, optimize=False)
+        return interpreter.TensorHandle(product.astype(d.data.dtype) + d.data,
+                                        d.dtype.scalar)
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", chained_dot)
 
 
 @pytest.fixture(autouse=True)

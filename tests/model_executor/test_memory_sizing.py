@@ -133,8 +133,10 @@ def test_profiled_kv_cache_within_10_percent_of_the_budget(
     if activations is None:
         pytest.skip("/proc/self/clear_refs is not writable here")
     # RSS readings of the same step vary by several MiB between runs (allocator reuse,
-    # thread arenas): a KV cache a few times the activations, as in real deployments.
-    kv_target = 192 * MIB
+    # thread arenas), and the profile's dummy step (8 requests of 256 tokens) is not this
+    # step (4 x 511 + 4 x 1): ~20 MiB apart on an AVX2 Zen 3, ~5 on a Zen 4. A KV cache
+    # several times the activations, as in real deployments, keeps the 10% meaningful.
+    kv_target = 384 * MIB
     total = int((weights + activations + kv_target) / 0.5)
     monkeypatch.setattr(CPUPlatform, "total_memory_bytes", lambda self: total)
     monkeypatch.setattr(CPUPlatform, "available_memory_bytes", lambda self: 1 << 40)
