@@ -5,7 +5,9 @@ reports the median with every run kept, because the machines these run on are sh
 and noisy: a single figure hides that, a median with its runs does not.
 
 * throughput: every prompt submitted at once (one ``generate`` call); output tokens per
-  wall second of that call.
+  wall second of that call. Each round starts with an empty prefix cache (throughput
+  and latency), so rounds after the first compute their whole prompts, as a peer's
+  benchmark on fresh prompts does.
 * latency: one request; time to first token and milliseconds per output token after it,
   both from the engine's own ``RequestOutput.metrics`` timestamps.
 * speculative decoding, when on (throughput and latency): draft and accepted token
@@ -112,6 +114,15 @@ def _check_rounds(warmup: int, repeats: int) -> None:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
 
+def _cold_round(llm) -> None:
+    """Every round computes its prompts: the same prompts again would hit the prefix cache
+    the previous round filled (all but each prompt's last partial block), timing a
+    fraction of the prefill a peer engine measured on fresh prompts does."""
+    gc.collect()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset between benchmark rounds")
+
+
 def run_throughput(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -> ThroughputResult:
     """Submit every prompt at once, ``warmup + repeats`` times; time the measured calls."""
     _check_rounds(warmup, repeats)
@@ -121,7 +132,7 @@ def run_throughput(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -
     for i in range(warmup + repeats):
         if i == warmup:
             llm.get_spec_decoding_stats()  # the warmup's drafts are not measured
-        gc.collect()
+        _cold_round(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
@@ -147,7 +158,7 @@ def run_latency(llm, workload: Workload, warmup: int = 1, repeats: int = 1) -> L
     for i in range(warmup + repeats):
         if i == warmup:
             llm.get_spec_decoding_stats()  # the warmup's drafts are not measured
-        gc.collect()
+        _cold_round(llm)
         start = time.perf_counter()
         (output,) = llm.generate([prompt], params, use_tqdm=False)
         wall = time.perf_counter() - start

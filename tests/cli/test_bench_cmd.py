@@ -14,7 +14,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from engine.benchmarks.offline import prefix_prompts, run_throughput
+from engine.benchmarks.offline import prefix_prompts, run_latency, run_throughput
 from engine.benchmarks.report import spec_decoding_json, spec_decoding_rows, speculative_text
 from engine.benchmarks.workload import Workload
 from engine.cli import main
@@ -263,6 +263,9 @@ class _SpecLLM:
         taken, self.pending = self.pending, SpecDecodingStats()
         return taken
 
+    def reset_prefix_cache(self) -> bool:
+        return True
+
 
 def test_throughput_counts_the_measured_rounds_drafts_only():
     llm = _SpecLLM(SpecDecodingStats(5, 15, 9, [5, 3, 1]))
@@ -270,6 +273,31 @@ def test_throughput_counts_the_measured_rounds_drafts_only():
     result = run_throughput(llm, workload, warmup=2, repeats=2)
     assert result.spec == SpecDecodingStats(10, 30, 18, [10, 6, 2])  # the 2 measured rounds
     assert result.to_json()["spec_decoding"]["acceptance_rate"] == 0.6
+
+
+def test_every_round_computes_its_whole_prompts(llama_dir):
+    """The rounds reuse the workload's prompts: without a reset the measured ones would
+    find every full block in the prefix cache the warmup filled, timing a fraction of
+    the prefill that a peer benchmark on fresh prompts does."""
+    from engine import LLM
+
+    workload = Workload(num_prompts=3, input_len=40, output_len=2, vocab_high=200)
+    cached: list[int] = []
+    with LLM(str(llama_dir), device="cpu", dtype="float32", block_size=8,
+             max_model_len=64, kv_cache_memory_bytes=8 << 20) as llm:
+        generate = llm.generate
+
+        def recording_generate(*args, **kwargs):
+            outputs = generate(*args, **kwargs)
+            cached.extend(out.num_cached_tokens for out in outputs)
+            return outputs
+
+        llm.generate = recording_generate
+        run_throughput(llm, workload, warmup=1, repeats=2)
+        run_latency(llm, workload, warmup=1, repeats=1)
+        assert llm.generate(workload.prompts()[:1], workload.sampling_params(),
+                            use_tqdm=False)[0].num_cached_tokens == 32  # caching is on (not the last block)
+    assert cached[:-1] == [0] * (3 * 3 + 2)
 
 
 def test_bench_reports_spec_figures_from_the_engine(tmp_path, llama_dir, monkeypatch):
