@@ -5,9 +5,15 @@
 #                                  # cp312 manylinux x86_64 wheels named below (gitignored)
 #   ci/gpu_check.sh [ARGS...]      # on the GPU machine: install .whl/*.whl (if any) and the
 #                                  # engine itself (its platforms are entry points) into a
-#                                  # temp target, then run python3 ci/gpu_check.py ARGS...
+#                                  # temp target, then run python3 ci/gpu_check.py ARGS...,
+#                                  # the plugin conformance kit on each GPU platform and the
+#                                  # Triton kernel tests compiled on the GPU (~4 min in all)
 #
-# Environment: PYTHON (default python3), WHEEL_PYTHON_VERSION (default 3.12).
+# The device tool carries at most 64 MiB of working tree: move tests/data/quant-fixtures/*
+# except gptq-desc-act-g64 (section 3 uses it) out of the checkout for the call.
+#
+# Environment: PYTHON (default python3), WHEEL_PYTHON_VERSION (default 3.12),
+# ENGINE_KIT_PLATFORMS, ENGINE_GPU_KERNEL_TESTS (0: skip), ENGINE_GPU_KERNEL_TESTS_TIMEOUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
