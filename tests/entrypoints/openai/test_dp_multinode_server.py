@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,12 +20,10 @@ import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess, _alive, _free_port, child_pids
 from tests.entrypoints.openai.test_dp_server import (
-    ERROR_WITHIN_S,
     PROMPTS,
     _complete,
-    _ends_in_error,
     _metric,
-    _start_streams,
+    assert_killing_a_rank_fails_only_its_stream,
     reference,  # noqa: F401 - the fixture
 )
 
@@ -77,18 +74,8 @@ def test_two_nodes_serve_like_one_core(two_nodes, reference):  # noqa: F811
 def test_remote_core_death_is_noticed(two_nodes, reference):  # noqa: F811
     head, node, node_log = two_nodes
     [remote_core] = child_pids(node.pid, "engine.core.core_proc")
-    http, streams = _start_streams(head.url, 2)  # one on each rank (least loaded)
-    os.kill(remote_core, signal.SIGKILL)
-    killed = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
-        errored = list(pool.map(lambda s: (_ends_in_error(s[1]), time.monotonic() - killed),
-                                streams))
-    for stream, _ in streams:
-        stream.__exit__(None, None, None)
-    http.close()
-    assert sorted(e for e, _ in errored) == [False, True], errored
-    assert next(t for e, t in errored if e) < ERROR_WITHIN_S
-    assert httpx.get(head.url + "/health", timeout=10).status_code == 200
+    assert_killing_a_rank_fails_only_its_stream(
+        head.url, lambda: os.kill(remote_core, signal.SIGKILL))
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(lambda p: _complete(head.url, p), PROMPTS)) == reference
     assert node.wait(10) == 1, node_log.read_text()  # its only rank is gone

@@ -93,6 +93,24 @@ def _ends_in_error(lines) -> bool:
     return any("error" in json.loads(line[len("data: "):]) for line in rest[:-1])
 
 
+def assert_killing_a_rank_fails_only_its_stream(url: str, kill) -> None:
+    """Two streams (one on each rank, least loaded), ``kill()`` one rank's core: exactly
+    one stream ends in an error event, within ERROR_WITHIN_S; the server stays healthy and
+    completes new requests as one core would."""
+    http, streams = _start_streams(url, 2)
+    kill()
+    killed = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        errored = list(pool.map(lambda s: (_ends_in_error(s[1]), time.monotonic() - killed),
+                                streams))
+    for stream, _ in streams:
+        stream.__exit__(None, None, None)
+    http.close()
+    assert sorted(e for e, _ in errored) == [False, True], errored
+    assert next(t for e, t in errored if e) < ERROR_WITHIN_S
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
 def test_completions_equal_one_core_and_metrics_per_engine(servers, reference):
     server = servers[0]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -107,20 +125,10 @@ def test_completions_equal_one_core_and_metrics_per_engine(servers, reference):
 
 def test_continue_fails_only_the_dead_ranks_requests(servers, reference):
     server = servers[0]
-    http, streams = _start_streams(server.url, 2)  # one on each core (least loaded)
     victim = server.core_pids[1]
-    os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
-        errored = list(pool.map(lambda s: (_ends_in_error(s[1]), time.monotonic() - killed),
-                                streams))
-    for stream, _ in streams:
-        stream.__exit__(None, None, None)
-    http.close()
-    assert sorted(e for e, _ in errored) == [False, True], errored
-    assert next(t for e, t in errored if e) < ERROR_WITHIN_S
+    assert_killing_a_rank_fails_only_its_stream(
+        server.url, lambda: os.kill(victim, signal.SIGKILL))
     # The server keeps serving on the live core, for any number of new requests.
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(lambda p: _complete(server.url, p), PROMPTS)) == reference
     metrics = httpx.get(server.url + "/metrics", timeout=10).text
