@@ -447,16 +447,27 @@ class Worker:
                         info["layers_per_block"], info["num_layers"],
                         100 * info["block_bytes"] / max(1, info["one_group_block_bytes"]))
 
+    def _graphs_cover_parallelism(self) -> bool:
+        """Whether forward graphs can run this rank's decode steps: one rank always;
+        tensor parallelism when the platform's capturer records its collectives. Stage
+        hand-offs (pipeline) and the experts' exchange across data-parallel replicas run
+        between forwards, which no capturer records: those ranks run eagerly."""
+        layout = self.layout
+        if layout is None or layout.global_world_size == 1:
+            return True
+        if layout.pipeline_parallel_size > 1 or layout.spans_data_parallel:
+            return False
+        capturer = self.platform.forward_graph_capturer()
+        return capturer is not None and capturer.records_collectives
+
     def _make_runner(self, num_blocks: int, max_model_len: int | None = None,
                      profile: bool = False) -> ModelRunner:
         """A runner over a new KV cache of ``num_blocks``. ``profile``: the throwaway
         runner of the profile run (eager, no KV connector)."""
         config = self.config
         sched = config.scheduler
-        # Forward graphs record one rank's kernels; collectives and stage hand-offs run
-        # between them, which no capturer here records: parallel ranks run eagerly.
-        eager = profile or config.model.enforce_eager or (
-            self.layout is not None and self.layout.global_world_size > 1)
+        eager = (profile or config.model.enforce_eager
+                 or not self._graphs_cover_parallelism())
         runner_cls = ModelRunner
         if config.model.runner == "pooling":
             from engine.model_executor.pooling_runner import PoolingModelRunner
@@ -693,6 +704,9 @@ class Worker:
             "gemm_kernels": layers["gemm_kernels"],
             "layer_kernels": layers["layer_kernels"],
             "forward_graphs": self.runner.decode_graphs is not None,
+            # The decode batch sizes captured so far (those steps replay one C call each).
+            "forward_graph_sizes": ([] if self.runner.decode_graphs is None
+                                    else self.runner.decode_graphs.captured_sizes),
             "speculative": self._speculative_info(),
             **self.platform.kernel_info(),
         }

@@ -188,6 +188,14 @@ def test_parallel_greedy_matches_single_process(engines, case):
     assert outputs[2].num_cached_tokens >= ENGINE_KWARGS["block_size"], (
         [o.num_cached_tokens for o in outputs])
     assert core.scheduler.num_preemptions_total > preempted_before
+    # Tensor-parallel decode steps replayed forward graphs on every rank (their all-reduces
+    # recorded as graph calls); pipeline stages hand off between forwards: eager.
+    graph_sizes = [info["forward_graph_sizes"] for info in executor.collective_rpc(
+        "runtime_info")]
+    if pp == 1:
+        assert all(graph_sizes) and len(set(map(tuple, graph_sizes))) == 1, graph_sizes
+    else:
+        assert not any(graph_sizes), graph_sizes
 
 
 # -- 2. each rank holds its share of the weights ---------------------------------------------

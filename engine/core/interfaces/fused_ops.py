@@ -71,6 +71,22 @@ class FusedOps(ABC):
         in ``dtype`` (None: the table's; a narrower table is widened) -- a ValueError for
         an id outside the vocabulary."""
 
+    def embedding_shard(
+        self, ids: "torch.Tensor", weight: "torch.Tensor", start: int, num_real: int,
+        vocab: int, dtype: "torch.dtype | None" = None,
+    ) -> "torch.Tensor":
+        """A tensor-parallel rank's part of the lookup: ``weight[id - start]`` for the
+        ids ``start <= id < start + num_real`` its shard holds, zeros for the other ids of
+        ``[0, vocab)`` (the all-reduce after it adds them), a ValueError for an id outside
+        the vocabulary. The default is torch ops, which a forward graph of a C-kernel
+        platform cannot record."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"a token id is outside the vocabulary of {vocab}")
+        local = ids - start
+        outside = (local < 0) | (local >= num_real)
+        out = self.embedding(local.masked_fill(outside, 0), weight, dtype)
+        return out.masked_fill_(outside.unsqueeze(-1), 0)
+
     @abstractmethod
     def argmax(self, x: "torch.Tensor") -> "torch.Tensor":
         """``x.argmax(dim=-1)`` (int64) for float32 ``x [rows, cols]``: the first maximum

@@ -42,6 +42,12 @@ class ForwardGraphCapturer(ABC):
     """Records forwards into graphs; the graphs of one capturer may share memory, so they
     must be replayed one at a time."""
 
+    #: Whether a capture records the tensor-parallel collectives a forward calls, so a
+    #: replay meets the other ranks in them (the CPU plugin's shared-memory all-reduce is
+    #: one of its replayed kernels). Without it tensor-parallel ranks run eagerly; a
+    #: collective a capture cannot record must raise GraphCaptureError, never run.
+    records_collectives: bool = False
+
     @abstractmethod
     def capture(self, forward: Callable[[], "torch.Tensor"]) -> ForwardGraph:
         """Record ``forward()`` (which may not actually compute anything while recorded)

@@ -97,6 +97,12 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self._lookup(input_ids)
+        fused = self.fused_ops
+        if fused is not None and input_ids.dim() == 1 and input_ids.dtype == torch.int64:
+            # One kernel call (a forward graph records it with the all-reduce).
+            out = fused.embedding_shard(input_ids, self.weight, self.shard.start,
+                                        self.shard.num_real, self.num_embeddings, self.dtype)
+            return self.tp.all_reduce(out)
         local = input_ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.num_real)
         out = self._lookup(local.masked_fill(outside, 0))

@@ -42,7 +42,7 @@ _ALLOCATORS = frozenset({
 _NO_COPY = frozenset({_aten.detach.default, _aten.alias.default})
 # What a kernel's nonzero status means when it can depend on the step's values.
 _REFUSALS = {
-    "embedding_rows": "a token id is outside the vocabulary",
+    "embedding_shard_rows": "a token id is outside the vocabulary",
     "rotary_neox": "a position is beyond the rotary table",
     "write_kv": "a KV slot is outside the cache",
     "mla_write_entries": "an MLA cache slot is outside the cache",
@@ -112,6 +112,7 @@ class GraphPlan:
     output_offset: int  # bytes into the arena
     output_bytes: int
     kernel_names: list[str]
+    explainers: list[Callable[[int], Exception] | None]  # per call: NativeCall.explain
 
 
 def _find(buffers: list[_Buffer], bases: list[int], address: int) -> _Buffer | None:
@@ -157,7 +158,7 @@ def plan_graph(
     bases = [b.base for b in buffers]
     table = np.zeros((len(calls), words), dtype=np.int64)
     relative = np.zeros((len(calls), words), dtype=bool)
-    for index, (op, args) in enumerate(calls):
+    for index, (op, args, _) in enumerate(calls):
         if 1 + len(args) > words:
             raise GraphCaptureError(f"{op.name} takes more arguments than a table row holds")
         table[index, 0] = op.graph_id
@@ -183,12 +184,12 @@ def plan_graph(
     used = [b for b in buffers if b.first_use >= 0]
     arena_bytes = _assign_offsets(used)
     # Rebase the relative words from their buffer's start to the arena's.
-    for index, (_, args) in enumerate(calls):
+    for index, (_, args, _) in enumerate(calls):
         for i in np.flatnonzero(relative[index, 1:]):
             table[index, 1 + i] += _find(buffers, bases, args[i]).offset
     into = output.data_ptr() - out.base
     return GraphPlan(table, relative, arena_bytes, out.offset + into, out.nbytes - into,
-                     [call.op.name for call in calls])
+                     [call.op.name for call in calls], [call.explain for call in calls])
 
 
 class _Arena:
@@ -250,6 +251,9 @@ class CPUForwardGraph(ForwardGraph):
         status = self._kernels.replay_graph(table.ctypes.data, table.shape[0],
                                             ctypes.byref(self._failed))
         if status != 0:
+            explain = self._plan.explainers[self._failed.value]
+            if explain is not None:
+                raise explain(status)
             name = self._plan.kernel_names[self._failed.value]
             reason = _REFUSALS.get(name, "it refused its arguments")
             raise ValueError(f"forward graph replay stopped at {name}: {reason} "
@@ -258,7 +262,11 @@ class CPUForwardGraph(ForwardGraph):
 
 
 class CPUGraphCapturer(ForwardGraphCapturer):
-    """Captures forwards whose every computation is one of the plugin's C kernels."""
+    """Captures forwards whose every computation is one of the plugin's C kernels
+    (tensor parallelism's shared-memory all-reduce included; a gloo collective is a
+    torch op, which the capture refuses)."""
+
+    records_collectives = True
 
     def __init__(self, kernels: CPUKernels) -> None:
         self._kernels = kernels

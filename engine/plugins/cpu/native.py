@@ -24,7 +24,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -107,10 +107,13 @@ class QGemmParams:
 
 
 class NativeCall(NamedTuple):
-    """One recorded kernel call: the entry point and its ctypes arguments."""
+    """One recorded kernel call: the entry point, its ctypes arguments and, for a call
+    whose failure means more than refused arguments (a collective: a peer died), the
+    error its nonzero status raises at replay."""
 
     op: "NativeOp"
     args: tuple
+    explain: Callable[[int], Exception] | None = None
 
 
 class _Recording(threading.local):
@@ -121,6 +124,11 @@ class _Recording(threading.local):
 
 
 _recording = _Recording()
+
+
+def is_recording() -> bool:
+    """Whether this thread is capturing a forward graph (kernel calls are recorded)."""
+    return _recording.calls is not None
 
 
 @contextmanager
@@ -150,13 +158,13 @@ class NativeOp:
         self.pointer_args = tuple(i for i, t in enumerate(argtypes) if t is _ptr)
         self.float_args = tuple(i for i, t in enumerate(argtypes) if t is _f32)
 
-    def __call__(self, *args) -> int:
+    def __call__(self, *args, explain: Callable[[int], Exception] | None = None) -> int:
         calls = _recording.calls
         if calls is None:
             return self._fn(*args)
         if self.graph_id < 0:
             raise GraphCaptureError(f"the C kernel {self.name} cannot be replayed in a graph")
-        calls.append(NativeCall(self, args))
+        calls.append(NativeCall(self, args, explain))
         return 0  # not run: a replay runs it
 
 
@@ -170,6 +178,8 @@ class CPUKernels(FusedOps):
 
         def _bind_op(fn: ctypes._CFuncPtr, argtypes: list) -> NativeOp:
             return NativeOp(fn, argtypes, graph_id(fn.__name__.encode()))
+
+        self._bind_op = _bind_op
 
         isa_level = lib.isa_level
         isa_level.restype, isa_level.argtypes = ctypes.c_char_p, []
@@ -237,8 +247,10 @@ class CPUKernels(FusedOps):
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, positions, cos|sin table
             _i64, _i64, _i64, _i64, _i32,  # rows, heads, head size, table rows, dtype
         ])
-        self._embedding = _bind_op(lib.embedding_rows, [
-            _ptr, _i64, _ptr, _i64, _i64, _i32, _ptr, _i32,  # ids, n, table, vocab, hidden, dt
+        self._embedding = _bind_op(lib.embedding_shard_rows, [
+            _ptr, _i64, _ptr,  # ids, n, table
+            _i64, _i64, _i64, _i64,  # first row, rows held, vocabulary, hidden
+            _i32, _ptr, _i32,  # table dtype, out, out dtype
         ])
         self._gemm_pack = _bind_op(lib.gemm_pack, [_ptr, _i64, _i64, _i32, _i32, _ptr])
         self._gemm_packed = _bind_op(lib.gemm_packed, [
@@ -282,6 +294,12 @@ class CPUKernels(FusedOps):
         """The loaded library, for modules that bind entry points of their own
         (:mod:`.shm_segment`)."""
         return self._lib
+
+    def bind_op(self, name: str, argtypes: list) -> NativeOp:
+        """The library's entry point ``name`` as a :class:`NativeOp`: recorded by a graph
+        capture when forward_graph.c's table has it, else refused there (a capture must
+        never run it)."""
+        return self._bind_op(getattr(self._lib, name), argtypes)
 
     def key_layout(self, dtype: torch.dtype) -> KeyLayout:
         """The K cache layout :meth:`write_kv` writes and the decode kernel reads (fp8
@@ -420,18 +438,29 @@ class CPUKernels(FusedOps):
         """``weight[ids]`` for int64 ``ids [T]``, in ``dtype`` (default: the table's; a
         bf16 table is widened for float32 activations). An id outside the table:
         ValueError."""
+        return self.embedding_shard(ids, weight, 0, weight.shape[0], weight.shape[0], dtype)
+
+    def embedding_shard(
+        self, ids: torch.Tensor, weight: torch.Tensor, start: int, num_real: int, vocab: int,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """One C call a forward graph records (see FusedOps.embedding_shard)."""
         if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
             raise ValueError("embedding ids must be a contiguous int64 vector")
         if weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError("the embedding table must be a contiguous matrix")
+        if not 0 <= num_real <= weight.shape[0] or start < 0:
+            raise ValueError(f"a shard of {num_real} rows from row {start} does not fit a "
+                             f"table of {weight.shape[0]} rows")
         dtype = weight.dtype if dtype is None else dtype
-        vocab, hidden = weight.shape
+        hidden = weight.shape[1]
         out = torch.empty((ids.shape[0], hidden), dtype=dtype)
-        status = self._embedding(ids.data_ptr(), ids.shape[0], weight.data_ptr(), vocab, hidden,
-                                 DTYPE_CODES[weight.dtype], out.data_ptr(), DTYPE_CODES[dtype])
+        status = self._embedding(ids.data_ptr(), ids.shape[0], weight.data_ptr(), start,
+                                 num_real, vocab, hidden, DTYPE_CODES[weight.dtype],
+                                 out.data_ptr(), DTYPE_CODES[dtype])
         if status == -2:
             raise ValueError(f"a token id is outside the vocabulary of {vocab}")
-        _check(status, "embedding_rows")
+        _check(status, "embedding_shard_rows")
         return out
 
     def write_kv(

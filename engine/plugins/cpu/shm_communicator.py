@@ -3,9 +3,10 @@
 A gloo all-reduce over loopback costs ~0.5 ms and a tensor-parallel decode step runs
 dozens of them, which made TP=2 slower than TP=1. When every rank of a group runs on
 this host, :class:`ShmCommunicator` moves the hot collectives (all_reduce, all_gather,
-reduce_scatter, broadcast, barrier) through a shared-memory segment (csrc/shm_comm.c,
-:mod:`.shm_segment`); point-to-point and all_to_all with uneven counts stay on the gloo
-group it wraps, and process groups are still created by torch.distributed (gloo).
+reduce_scatter, broadcast, barrier, and expert parallelism's all_to_all with uneven
+counts) through a shared-memory segment (csrc/shm_comm.c, :mod:`.shm_segment`);
+point-to-point stays on the gloo group it wraps, and process groups are still created by
+torch.distributed (gloo).
 
 The segment is set up lazily, on the group's first shared-memory collective (every rank
 of a group makes the same calls in the same order, so they all arrive): the ranks
@@ -30,7 +31,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.core.interfaces import GraphCaptureError
 from engine.distributed import GlooCommunicator
+from engine.plugins.cpu import native
 from engine.plugins.cpu.shm_segment import REDUCE_DTYPES, ShmSegment
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,9 @@ class ShmCommunicator(GlooCommunicator):
 
     def _shm(self) -> ShmSegment | None:
         if self._segment is _UNSET:
+            if native.is_recording():  # the set-up talks over gloo: never in a capture
+                raise GraphCaptureError("the shared-memory segment is set up by the group's "
+                                        "first collective, which must run eagerly")
             self._segment = self._connect()
         return self._segment
 
@@ -198,6 +204,20 @@ class ShmCommunicator(GlooCommunicator):
         if tensor.is_contiguous():
             return shm.broadcast_(tensor, src)
         return tensor.copy_(shm.broadcast_(tensor.contiguous(), src))
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
+        if sum(send_counts) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: send counts {send_counts} do not add up to the "
+                             f"{tensor.shape[0]} rows sent")
+        if self.world_size == 1:
+            return tensor
+        shm = self._routes(tensor) if tensor.dim() else None
+        if shm is None:
+            return super().all_to_all(tensor, send_counts, recv_counts)
+        return shm.all_to_all(tensor.contiguous(), list(send_counts), list(recv_counts))
 
     def barrier(self) -> None:
         if self.world_size == 1:

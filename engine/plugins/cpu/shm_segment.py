@@ -12,6 +12,7 @@ import errno
 import math
 import os
 
+import numpy as np
 import torch
 
 from engine.plugins.cpu.native import DTYPE_CODES, CPUKernels
@@ -26,9 +27,13 @@ class CollectiveError(RuntimeError):
 
 
 class _Api:
-    """The library's shm_comm_* entry points with their C signatures."""
+    """The library's shm_comm_* entry points with their C signatures. The collectives are
+    :class:`NativeOp` s: a forward graph capture records the all-reduce (forward_graph.c
+    replays it) and refuses the others, so no collective ever runs during a capture."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, kernels: CPUKernels) -> None:
+        lib = kernels.library
+
         def bind(name: str, restype, argtypes: list):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -38,10 +43,11 @@ class _Api:
                                                  _dbl, ctypes.POINTER(_ptr)])
         self.close = bind("shm_comm_close", None, [_ptr])
         self.failed_rank = bind("shm_comm_failed_rank", _i32, [_ptr])
-        self.barrier = bind("shm_comm_barrier", _i32, [_ptr])
-        self.all_reduce = bind("shm_comm_all_reduce", _i32, [_ptr, _ptr, _i64, _i32])
-        self.all_gather = bind("shm_comm_all_gather", _i32, [_ptr, _ptr, _i64, _i64, _ptr])
-        self.broadcast = bind("shm_comm_broadcast", _i32, [_ptr, _ptr, _i64, _i32])
+        self.barrier = kernels.bind_op("shm_comm_barrier", [_ptr])
+        self.all_reduce = kernels.bind_op("shm_comm_all_reduce", [_ptr, _ptr, _i64, _i32])
+        self.all_gather = kernels.bind_op("shm_comm_all_gather", [_ptr, _ptr, _i64, _i64, _ptr])
+        self.broadcast = kernels.bind_op("shm_comm_broadcast", [_ptr, _ptr, _i64, _i32])
+        self.all_to_all = kernels.bind_op("shm_comm_all_to_all", [_ptr, _ptr, _ptr, _ptr, _ptr])
         self.segment_bytes = bind("shm_comm_segment_bytes", _i64, [_i32, _i64])
         self.max_ranks = bind("shm_comm_max_ranks", _i32, [])()
         self.lib = lib  # the bound functions live as long as the library
@@ -52,7 +58,7 @@ class ShmSegment:
 
     def __init__(self, kernels: CPUKernels, path: str, rank: int, world: int,
                  slot_bytes: int, create: bool, timeout_s: float) -> None:
-        api = _Api(kernels.library)
+        api = _Api(kernels)
         if not 1 <= world <= api.max_ranks:
             raise ValueError(f"a shared-memory group holds 1 to {api.max_ranks} ranks, "
                              f"not {world}")
@@ -80,21 +86,27 @@ class ShmSegment:
         self.close()
 
     def _check(self, status: int, op: str) -> None:
-        if status == 0:
-            return
+        if status != 0:
+            raise self._error(status, op)
+
+    def _replay_error(self, status: int) -> Exception:
+        """What a forward graph's replay raises when its all-reduce of this segment fails."""
+        return self._error(status, "all_reduce")
+
+    def _error(self, status: int, op: str) -> Exception:
         peer = self._api.failed_rank(self._handle)
         where = f"shared-memory {op} on rank {self.rank} of {self.world}"
         if status == _PEER_DEAD:
-            raise CollectiveError(f"{where}: rank {peer} died (its process is gone)")
+            return CollectiveError(f"{where}: rank {peer} died (its process is gone)")
         if status == _TIMEOUT:
-            raise CollectiveError(f"{where}: rank {peer} did not arrive within "
-                                  f"{self.timeout_s:g} s")
+            return CollectiveError(f"{where}: rank {peer} did not arrive within "
+                                   f"{self.timeout_s:g} s")
         if status == _MISMATCH:
-            raise CollectiveError(f"{where}: rank {peer} runs a different collective or "
-                                  "size (the ranks diverged)")
+            return CollectiveError(f"{where}: rank {peer} runs a different collective or "
+                                   "size (the ranks diverged)")
         if status == _BROKEN:
-            raise CollectiveError(f"{where}: the group is broken by an earlier failure")
-        raise ValueError(f"{where} refused its arguments")
+            return CollectiveError(f"{where}: the group is broken by an earlier failure")
+        return ValueError(f"{where} refused its arguments")
 
     def _handle_or_raise(self) -> ctypes.c_void_p:
         if not self._handle:
@@ -112,8 +124,11 @@ class ShmSegment:
                              f", not {tensor.dtype}")
         if not tensor.is_contiguous():
             raise ValueError("shared-memory all_reduce needs a contiguous tensor")
-        status = self._api.all_reduce(self._handle_or_raise(), tensor.data_ptr(),
-                                      tensor.numel(), DTYPE_CODES[tensor.dtype])
+        # The handle as a plain address: a forward graph keeps it in its table (the graph
+        # must not outlive this segment; the worker's runner does not).
+        status = self._api.all_reduce(self._handle_or_raise().value, tensor.data_ptr(),
+                                      tensor.numel(), DTYPE_CODES[tensor.dtype],
+                                      explain=self._replay_error)
         self._check(status, "all_reduce")
         return tensor
 
@@ -142,3 +157,19 @@ class ShmSegment:
         status = self._api.broadcast(self._handle_or_raise(), tensor.data_ptr(), nbytes, src)
         self._check(status, "broadcast")
         return tensor
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Rows ``send_counts[j]`` of ``tensor`` (in rank order) to rank ``j``; the rows
+        every rank sent here, in rank order (``recv_counts[j]`` from rank ``j``). Any
+        dtype: rows move as bytes."""
+        if not tensor.is_contiguous():
+            raise ValueError("shared-memory all_to_all needs a contiguous tensor")
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        send = np.asarray(send_counts, dtype=np.int64) * row_bytes
+        recv = np.asarray(recv_counts, dtype=np.int64) * row_bytes
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        status = self._api.all_to_all(self._handle_or_raise(), tensor.data_ptr(),
+                                      send.ctypes.data, out.data_ptr(), recv.ctypes.data)
+        self._check(status, "all_to_all")
+        return out

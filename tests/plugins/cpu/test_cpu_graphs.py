@@ -135,7 +135,7 @@ def test_value_errors_surface_from_a_replay(kernels, capturer):
     graph = capturer.capture(forward)
     graph.replay()
     ids[1] = 10
-    with pytest.raises(ValueError, match="embedding_rows: a token id is outside the vocab"):
+    with pytest.raises(ValueError, match="embedding_shard_rows: a token id is outside the vocab"):
         graph.replay()
     ids[1], positions[1] = 3, 8
     with pytest.raises(ValueError, match="rotary_neox: a position is beyond the rotary table"):

@@ -1,7 +1,7 @@
 """The shared-memory communicator (csrc/shm_comm.c, engine.plugins.cpu.shm_communicator)
 on real ranks: exact results against a rank-order float32 reference (and a float64 one),
 chunking (a 4 KiB slot makes most tensors span several steps), every ISA level this CPU
-runs, thousands of back-to-back collectives, and failures that must raise, not hang: a
+runs, thousands of back-to-back collectives, uneven all_to_all against gloo's, and failures that must raise, not hang: a
 peer that diverges, one that is late past the timeout, one that dies mid-collective.
 
 Rank start-up costs seconds, so each world runs many checks (two worlds in all).
@@ -151,6 +151,32 @@ def _check_back_to_back(comm, rank: int, world: int) -> None:
         assert float(x[0]) == world * i + world * (world - 1) / 2, i
 
 
+def _rows_for(src: int, dst: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``n`` rows rank ``src`` sends rank ``dst`` (values name both)."""
+    return (torch.arange(n * 7).reshape(n, 7) + 1000 * src + 100 * dst).to(dtype)
+
+
+def _check_all_to_all(comm, rank: int, world: int) -> None:
+    """Uneven rows (rank r sends (r + 1 + j) * 150 rows of 7 values to rank j, rank 1
+    none to rank 0): most exchanges span several 4 KiB slots; the same rows as gloo's."""
+    from engine.distributed import GlooCommunicator
+
+    def count(src: int, dst: int) -> int:
+        return 0 if (src, dst) == (1, 0) else (src + 1 + dst) * 150
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        send = [count(rank, j) for j in range(world)]
+        recv = [count(j, rank) for j in range(world)]
+        rows = torch.cat([_rows_for(rank, j, send[j], dtype) for j in range(world)])
+        got = comm.all_to_all(rows, send, recv)
+        want = torch.cat([_rows_for(j, rank, recv[j], dtype) for j in range(world)])
+        assert got.dtype == dtype and torch.equal(got, want), dtype
+        assert torch.equal(GlooCommunicator.all_to_all(comm, rows, send, recv), want)
+    counts = torch.tensor([rank * 10 + j for j in range(world)])  # MoE's count exchange
+    assert comm.all_to_all(counts, [1] * world, [1] * world).tolist() == [
+        j * 10 + rank for j in range(world)]
+
+
 def _collectives(comm, rank: int, world: int) -> list[str]:
     from engine.core.plugins import current_platform
     from engine.distributed.parallel_state import ParallelLayout, init_parallel_state
@@ -160,6 +186,7 @@ def _collectives(comm, rank: int, world: int) -> list[str]:
     _check_all_reduce(comm, rank, world)
     _check_gather_scatter_broadcast(comm, rank, world)
     _check_back_to_back(comm, rank, world)
+    _check_all_to_all(comm, rank, world)
     levels = []
     for level in LEVELS:  # every build of the C code this CPU runs
         per_level = ShmCommunicator(rank, world, isa_level=level)
@@ -183,6 +210,18 @@ def _collectives(comm, rank: int, world: int) -> list[str]:
         diverged.all_reduce(torch.ones(10 + rank))
     with pytest.raises(CollectiveError, match="broken"):
         diverged.all_reduce(torch.ones(4))
+    # An all_to_all whose counts the ranks disagree on: rank 0 expects one row more from
+    # rank 2 than it sends; rank 0 raises after the last round, the others finish.
+    uneven = ShmCommunicator(rank, world)
+    send, recv = [700] * world, [700] * world
+    if rank == 0:
+        recv[2] = 701
+    rows = torch.zeros(700 * world, 3)
+    if rank == 0:
+        with pytest.raises(CollectiveError, match="rank 2 runs a different collective"):
+            uneven.all_to_all(rows, send, recv)
+    else:
+        assert uneven.all_to_all(rows, send, recv).shape == (700 * world, 3)
     return levels
 
 
@@ -210,13 +249,53 @@ def _late_then_dead(comm, rank: int, world: int) -> dict[str, Any]:
     fresh = ShmCommunicator(rank, world)  # a new segment: the first one is broken
     for _ in range(5):
         fresh.all_reduce(torch.ones(100_000))  # several steps each
+    replay = _graph_of_a_sharded_lookup(fresh, rank, world)
     if rank == 2:
         os._exit(3)  # dies while the others wait for it
     start = time.monotonic()
     with pytest.raises(CollectiveError, match="rank 2 died") as dead:
         fresh.all_reduce(torch.ones(100_000))
     seen["dead"] = (time.monotonic() - start, str(dead.value))
+    # A replayed graph's all-reduce fails the same way (the error names the dead rank).
+    with pytest.raises(CollectiveError, match="broken|rank 2 died"):
+        replay()
     return seen
+
+
+def _graph_of_a_sharded_lookup(comm, rank: int, world: int) -> Callable[[], torch.Tensor]:
+    """A tensor-parallel embedding (this rank's rows, then the all-reduce) captured as a
+    forward graph: its replays meet the other ranks in the recorded all-reduce and give
+    the whole table's rows; a collective the graph cannot replay is refused at capture,
+    without running. Returns a replay."""
+    from engine.core.interfaces import GraphCaptureError
+    from engine.plugins.cpu.graphs import CPUGraphCapturer
+    from engine.plugins.cpu.native import load_kernels
+    from engine.plugins.cpu.shm_communicator import ShmCommunicator
+
+    kernels = load_kernels()
+    vocab, hidden, rows = 37, 24, -(-37 // world)
+    table = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(5))
+    start = min(rank * rows, vocab)
+    num_real = max(0, min(rows, vocab - start))
+    shard = torch.zeros(rows, hidden)
+    shard[:num_real] = table[start : start + num_real]
+    ids = torch.zeros(6, dtype=torch.int64)
+    capturer = CPUGraphCapturer(kernels)
+    unset, four = ShmCommunicator(rank, world), torch.ones(4)  # its segment: not made yet
+    with pytest.raises(GraphCaptureError, match="first collective"):
+        capturer.capture(lambda: unset.all_reduce(four))  # no gloo traffic in a capture
+    with pytest.raises(GraphCaptureError, match="shm_comm_all_gather"):
+        capturer.capture(lambda: comm.all_gather(shard, 0))
+    graph = capturer.capture(lambda: comm.all_reduce(
+        kernels.embedding_shard(ids, shard, start, num_real, vocab)))
+    for step in range(3):
+        ids.copy_(torch.tensor([0, vocab - 1, 5 + step, rows, rows - 1, 2 * step]))
+        assert torch.equal(graph.replay(), table[ids]), (rank, step)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # before any peer waits
+        ids[0] = vocab
+        graph.replay()
+    ids[0] = 0
+    return graph.replay
 
 
 def test_late_and_dead_peers_raise_quickly():

@@ -226,26 +226,41 @@ int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, in
  * rounded from the table's dtype to out_dtype (a plain copy when they match). An id
  * outside [0, vocab) refuses the call (-2) before anything is copied.
  */
-int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
-                   int64_t hidden, int table_dtype, void *out, int out_dtype)
+/* Rows of a vocabulary shard (tensor parallelism): out[t] = table[ids[t] - row_start] for
+ * the ids this rank holds (row_start <= id < row_start + table_rows), zeros for the other
+ * ids of the vocabulary (another rank's rows: the all-reduce after it adds them). An id
+ * outside [0, vocab) is an error (-2), on every rank alike. */
+int embedding_shard_rows(const int64_t *ids, int64_t num_ids, const void *table,
+                         int64_t row_start, int64_t table_rows, int64_t vocab, int64_t hidden,
+                         int table_dtype, void *out, int out_dtype)
 {
-    if (hidden <= 0 || table_dtype < DTYPE_F32 || table_dtype > DTYPE_F16 ||
-        out_dtype < DTYPE_F32 || out_dtype > DTYPE_F16)
+    if (hidden <= 0 || row_start < 0 || table_rows < 0 || table_dtype < DTYPE_F32
+        || table_dtype > DTYPE_F16 || out_dtype < DTYPE_F32 || out_dtype > DTYPE_F16)
         return -1;
     for (int64_t t = 0; t < num_ids; t++)
         if (ids[t] < 0 || ids[t] >= vocab) return -2;
     const int64_t in_row = hidden * dtype_size(table_dtype);
     const int64_t out_row = hidden * dtype_size(out_dtype);
-    if (table_dtype == out_dtype) {
 #pragma omp parallel for if (num_ids * out_row >= (1 << 20))
-        for (int64_t t = 0; t < num_ids; t++)
-            memcpy((char *)out + t * out_row, (const char *)table + ids[t] * in_row,
-                   (size_t)out_row);
-        return 0;
+    for (int64_t t = 0; t < num_ids; t++) {
+        const int64_t row = ids[t] - row_start;
+        char *dst = (char *)out + t * out_row;
+        if (row < 0 || row >= table_rows) {
+            memset(dst, 0, (size_t)out_row);
+        } else if (table_dtype == out_dtype) {
+            memcpy(dst, (const char *)table + row * in_row, (size_t)out_row);
+        } else {
+            for (int64_t i = 0; i < hidden; i++)
+                store_at(out, t * hidden + i, out_dtype,
+                         load_at(table, row * hidden + i, table_dtype));
+        }
     }
-#pragma omp parallel for if (num_ids * out_row >= (1 << 20))
-    for (int64_t t = 0; t < num_ids; t++)
-        for (int64_t i = 0; i < hidden; i++)
-            store_at(out, t * hidden + i, out_dtype, load_at(table, ids[t] * hidden + i, table_dtype));
     return 0;
+}
+
+int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
+                   int64_t hidden, int table_dtype, void *out, int out_dtype)
+{
+    return embedding_shard_rows(ids, num_ids, table, 0, vocab, vocab, hidden, table_dtype, out,
+                                out_dtype);
 }

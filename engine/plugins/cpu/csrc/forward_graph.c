@@ -10,6 +10,10 @@
  * Table layout: num_ops rows of GRAPH_OP_WORDS int64 words, the kernel id (see
  * graph_kernel_id) then the kernel's arguments in its C order, pointers as addresses
  * and float arguments as their float32 bits.
+ *
+ * Tensor-parallel forwards record their all-reduces too (shm_comm_all_reduce, the
+ * communicator's handle as a plain address): every rank replays the same table, so the
+ * ranks meet in the same collectives in the same order as an eager forward would.
  */
 #include <stdint.h>
 #include <string.h>
@@ -33,6 +37,8 @@ enum {
     GK_LORA_EXPAND,
     GK_MLA_DECODE_ATTENTION,
     GK_MLA_WRITE_ENTRIES,
+    GK_EMBEDDING_SHARD_ROWS,
+    GK_SHM_ALL_REDUCE,
     GK_COUNT
 };
 
@@ -40,6 +46,7 @@ static const char *const KERNEL_NAMES[GK_COUNT] = {
     "rms_norm", "silu_and_mul", "rotary_neox", "embedding_rows",
     "write_kv", "paged_decode_attention", "gemm_packed", "gemm_plain", "qgemm",
     "residual_add", "lora_shrink", "lora_expand", "mla_decode_attention", "mla_write_entries",
+    "embedding_shard_rows", "shm_comm_all_reduce",
 };
 
 /* The id a recorded call of the entry point `name` carries, or -1: not replayable. */
@@ -123,6 +130,13 @@ int replay_forward_graph(const int64_t *ops, int64_t num_ops, int64_t *failed_op
             break;
         case GK_MLA_WRITE_ENTRIES:
             status = mla_write_entries(P(0), a[1], P(2), a[3], P(4), a[5], I(6), I(7), I(8));
+            break;
+        case GK_EMBEDDING_SHARD_ROWS:
+            status = embedding_shard_rows(P(0), a[1], P(2), a[3], a[4], a[5], a[6], I(7), P(8),
+                                          I(9));
+            break;
+        case GK_SHM_ALL_REDUCE: /* a tensor-parallel layer's sum over the ranks */
+            status = shm_comm_all_reduce(P(0), P(1), a[2], I(3));
             break;
         default:
             status = -2;

@@ -63,6 +63,13 @@ int rotary_neox(void *x, int64_t x_stride, const int64_t *positions, const void 
                 int dtype);
 int embedding_rows(const int64_t *ids, int64_t num_ids, const void *table, int64_t vocab,
                    int64_t hidden, int table_dtype, void *out, int out_dtype);
+/* The same for one rank's shard of the vocabulary (rows row_start ..
+ * row_start + table_rows of vocab); other ids of the vocabulary give zero rows. */
+int embedding_shard_rows(const int64_t *ids, int64_t num_ids, const void *table,
+                         int64_t row_start, int64_t table_rows, int64_t vocab, int64_t hidden,
+                         int table_dtype, void *out, int out_dtype);
+/* csrc/shm_comm.c: the shared-memory all-reduce (a forward graph records it). */
+int shm_comm_all_reduce(void *handle, void *data, int64_t count, int dtype);
 /* out = x W^T (+ bias): x, bias and out in adt, W in wdt, packed by gemm_pack for the
  * same (adt, wdt) pair; gemm_plain reads W as a plain row-major [n, k] (row stride ldw). */
 int gemm_pack(const void *w, int64_t n, int64_t k, int wdt, int adt, void *packed);

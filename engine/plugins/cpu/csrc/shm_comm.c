@@ -53,7 +53,8 @@ enum {
     SHM_EBROKEN = -5,
 };
 
-enum { OP_BARRIER = 1, OP_ALL_REDUCE = 2, OP_ALL_GATHER = 3, OP_BROADCAST = 4 };
+enum { OP_BARRIER = 1, OP_ALL_REDUCE = 2, OP_ALL_GATHER = 3, OP_BROADCAST = 4,
+       OP_ALL_TO_ALL = 5 };
 
 enum {
     SPIN_PAUSES = 200,           /* busy polls before yielding (a peer sharing this core
@@ -410,6 +411,71 @@ int shm_comm_broadcast(void *handle, void *data, int64_t nbytes, int root)
         if (status != SHM_OK) return status;
         if (!mine && len > 0) memcpy(bytes + start, slot(c, c->seq, root), (size_t)len);
         if (nbytes == 0) break;
+    }
+    return SHM_OK;
+}
+
+/* Uneven rows to and from every rank (expert parallelism's dispatch and combine), as
+ * bytes: this rank's ``send`` holds send_bytes[j] bytes for rank j, in rank order, and
+ * ``recv`` gets recv_bytes[j] bytes from rank j, in rank order. Each round a rank puts a
+ * header (its per-destination counts and its total) and the next slot-full of its send
+ * buffer in its slot; every rank copies out the part of each peer's window that is
+ * addressed to it. Round 0 tells every rank every total, hence how many rounds the
+ * largest sender needs. A peer whose count for this rank differs from recv_bytes is a
+ * mismatch (the ranks disagree on the exchange), reported after the last round so that
+ * no peer is left waiting, not garbage. */
+int shm_comm_all_to_all(void *handle, const void *send, const int64_t *send_bytes,
+                        void *recv, const int64_t *recv_bytes)
+{
+    shm_comm *c = handle;
+    const int world = c->world;
+    const int64_t header = ((int64_t)(world + 1) * 8 + 63) / 64 * 64;
+    const int64_t cap = c->slot_bytes - header;
+    if (cap <= 0) return SHM_EINVAL;
+    int64_t total = 0, recv_at[SHM_MAX_RANKS], from[SHM_MAX_RANKS];
+    for (int j = 0; j < world; j++) {
+        if (send_bytes[j] < 0 || recv_bytes[j] < 0) return SHM_EINVAL;
+        total += send_bytes[j];
+    }
+    for (int j = 0; j < world; j++)
+        recv_at[j] = j == 0 ? 0 : recv_at[j - 1] + recv_bytes[j - 1];
+    const char *in = send;
+    char *out = recv;
+    int64_t rounds = 1;
+    int mismatch = -1; /* a peer whose count for this rank is not recv_bytes' */
+    for (int64_t r = 0; r < rounds; r++) {
+        int64_t *mine = (int64_t *)slot(c, c->seq + 1, c->rank);
+        memcpy(mine, send_bytes, (size_t)world * 8);
+        mine[world] = total;
+        const int64_t start = r * cap;
+        const int64_t len = total - start < cap ? (total - start > 0 ? total - start : 0) : cap;
+        if (len > 0) memcpy((char *)mine + header, in + start, (size_t)len);
+        const int status = step(c, OP_ALL_TO_ALL, 0, NULL, 0);
+        if (status != SHM_OK) return status;
+        for (int j = 0; j < world; j++) {
+            const int64_t *theirs = (const int64_t *)slot(c, c->seq, j);
+            if (r == 0) {
+                if (theirs[c->rank] != recv_bytes[j] && mismatch < 0) mismatch = j;
+                int64_t offset = 0;
+                for (int k = 0; k < c->rank; k++) offset += theirs[k];
+                from[j] = offset; /* where this rank's bytes start in j's send buffer */
+                const int64_t need = (theirs[world] + cap - 1) / cap;
+                if (need > rounds) rounds = need;
+            }
+            /* This round's window of j's buffer, [start, start + cap), against the bytes
+             * j addresses here, [from, from + recv_bytes[j]). */
+            const int64_t lo = start > from[j] ? start : from[j];
+            const int64_t end_window = start + cap, end_mine = from[j] + recv_bytes[j];
+            const int64_t hi = end_window < end_mine ? end_window : end_mine;
+            if (hi > lo && mismatch < 0)
+                memcpy(out + recv_at[j] + (lo - from[j]),
+                       (const char *)theirs + header + (lo - start), (size_t)(hi - lo));
+        }
+    }
+    if (mismatch >= 0) { /* after every round: the peers are not left waiting */
+        c->failed_rank = mismatch;
+        c->broken = 1;
+        return SHM_EMISMATCH;
     }
     return SHM_OK;
 }
