@@ -2,6 +2,7 @@
 collective time goes.
 
 Runs ``engine bench throughput`` for each (tp, pp) in turn (interleaved rounds, medians),
+(with ``--latency`` also ``engine bench latency``'s batch-1 decode ms per token),
 then times the all-reduce of one decode step's activations ([batch, hidden]) on two
 local ranks, through each communicator; a tensor-parallel Llama step does
 ``2 x layers + 1`` of them (after attention and MLP of every layer, and the
@@ -10,7 +11,7 @@ vocab-parallel embedding) plus an all-gather of the logits. Parallel configs run
 Usage::
 
     python ci/bench_parallel.py --model DIR [--configs 1x1,2x1,1x2] [--rounds 3]
-        [--communicators shm,gloo] [--reduce-batches 1,8,64] [--reduce-hidden 4096]
+        [--latency] [--communicators shm,gloo] [--reduce-batches 1,8,64] [--reduce-hidden 4096]
         [--reduce-dtypes float32,bfloat16]
 """
 
@@ -40,6 +41,21 @@ def _throughput(model: str, tp: int, pp: int, args: argparse.Namespace,
             env["ENGINE_CPU_COMMUNICATOR"] = communicator
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         return json.loads(out.read_text())
+
+
+def _decode_ms(model: str, tp: int, pp: int, args: argparse.Namespace,
+               communicator: str | None = None) -> float:
+    """Batch-1 decode ms per token (``engine bench latency``, one request)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = ["engine", "bench", "latency", "--model", model, "--dtype", args.dtype,
+               "-tp", str(tp), "-pp", str(pp), "--input-len", str(args.input_len),
+               "--output-len", "128", "--warmup", "1", "--repeats", "1", "--json", str(out)]
+        env = dict(os.environ)
+        if communicator:
+            env["ENGINE_CPU_COMMUNICATOR"] = communicator
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        return json.loads(out.read_text())["results"]["decode_ms_per_token"]["median"]
 
 
 def _time_all_reduces(comm, shapes: list[list[int]], dtype: str) -> dict[str, float]:
@@ -77,6 +93,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--latency", action="store_true",
+                        help="also the batch-1 decode ms per token of each config")
     parser.add_argument("--communicators", default="shm,gloo",
                         help="ENGINE_CPU_COMMUNICATOR values the parallel configs run with")
     parser.add_argument("--reduce-batches", default=None,
@@ -91,12 +109,16 @@ def main() -> None:
                for comm in ([None] if tp * pp == 1 else comms)]
     runs: dict[str, list[float]] = {
         f"{t}x{p}" + (f"-{c}" if c else ""): [] for t, p, c in runs_of}
+    decode: dict[str, list[float]] = {key: [] for key in runs} if args.latency else {}
     weights: dict[str, object] = {}
     for _ in range(args.rounds):
         for tp, pp, comm in runs_of:
             result = _throughput(args.model, tp, pp, args, comm)
             key = f"{tp}x{pp}" + (f"-{comm}" if comm else "")
             runs[key].append(result["results"]["output_tok_s"]["median"])
+            if args.latency:
+                decode[key].append(_decode_ms(args.model, tp, pp, args, comm))
+                print(key, decode[key][-1], "ms/token at batch 1", file=sys.stderr)
             runtime = result.get("runtime", {})
             weights[key] = runtime.get("parallel", {}).get("weights_mib_per_rank",
                                                          [runtime.get("weights_mib")])
@@ -114,6 +136,9 @@ def main() -> None:
         "model": args.model,
         "output_tokens_per_s_median": {k: round(statistics.median(v), 1) for k, v in runs.items()},
         "output_tokens_per_s_runs": runs,
+        **({"batch1_decode_ms_median": {k: round(statistics.median(v), 2)
+                                        for k, v in decode.items()},
+            "batch1_decode_ms_runs": decode} if decode else {}),
         "weights_mib_per_rank": weights,
         "all_reduce_us": {comm: {dtype: {k: round(v, 1) for k, v in by_shape.items()}
                                  for dtype, by_shape in by_dtype.items()}
