@@ -28,13 +28,14 @@ import time
 from pathlib import Path
 
 
-def _throughput(model: str, tp: int, pp: int, args: argparse.Namespace,
-                communicator: str | None = None) -> dict:
+def _engine_bench(mode: str, options: list[str], model: str, tp: int, pp: int,
+                  args: argparse.Namespace, communicator: str | None) -> dict:
+    """``engine bench MODE`` on ``tp x pp`` ranks (one warm-up round, one measured);
+    its JSON report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = ["engine", "bench", "throughput", "--model", model, "--dtype", args.dtype,
-               "-tp", str(tp), "-pp", str(pp), "--num-prompts", str(args.num_prompts),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        cmd = ["engine", "bench", mode, "--model", model, "--dtype", args.dtype,
+               "-tp", str(tp), "-pp", str(pp), "--input-len", str(args.input_len), *options,
                "--warmup", "1", "--repeats", "1", "--json", str(out)]
         env = dict(os.environ)
         if communicator:
@@ -43,19 +44,18 @@ def _throughput(model: str, tp: int, pp: int, args: argparse.Namespace,
         return json.loads(out.read_text())
 
 
+def _throughput(model: str, tp: int, pp: int, args: argparse.Namespace,
+                communicator: str | None = None) -> dict:
+    options = ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
+    return _engine_bench("throughput", options, model, tp, pp, args, communicator)
+
+
 def _decode_ms(model: str, tp: int, pp: int, args: argparse.Namespace,
                communicator: str | None = None) -> float:
     """Batch-1 decode ms per token (``engine bench latency``, one request)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = ["engine", "bench", "latency", "--model", model, "--dtype", args.dtype,
-               "-tp", str(tp), "-pp", str(pp), "--input-len", str(args.input_len),
-               "--output-len", "128", "--warmup", "1", "--repeats", "1", "--json", str(out)]
-        env = dict(os.environ)
-        if communicator:
-            env["ENGINE_CPU_COMMUNICATOR"] = communicator
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-        return json.loads(out.read_text())["results"]["decode_ms_per_token"]["median"]
+    result = _engine_bench("latency", ["--output-len", "128"], model, tp, pp, args,
+                           communicator)
+    return result["results"]["decode_ms_per_token"]["median"]
 
 
 def _time_all_reduces(comm, shapes: list[list[int]], dtype: str) -> dict[str, float]:

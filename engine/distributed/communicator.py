@@ -167,11 +167,7 @@ class TorchDistributedCommunicator(Communicator):
 
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:
-        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
-            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
-        if sum(send_counts) != tensor.shape[0]:
-            raise ValueError(f"all_to_all: send counts {send_counts} do not add up to the "
-                             f"{tensor.shape[0]} rows sent")
+        self.check_all_to_all_counts(tensor, send_counts, recv_counts)
         if self.world_size == 1:
             return tensor
         import torch.distributed as dist

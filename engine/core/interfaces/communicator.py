@@ -50,6 +50,17 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Block until every rank arrives."""
 
+    def check_all_to_all_counts(
+        self, tensor: "torch.Tensor", send_counts: list[int], recv_counts: list[int]
+    ) -> None:
+        """ValueError unless there is one send and one receive count per rank and the
+        send counts cover ``tensor``'s rows (what every all_to_all checks first)."""
+        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
+        if sum(send_counts) != tensor.shape[0]:
+            raise ValueError(f"all_to_all: send counts {send_counts} do not add up to the "
+                             f"{tensor.shape[0]} rows sent")
+
     def all_to_all(
         self, tensor: "torch.Tensor", send_counts: list[int], recv_counts: list[int]
     ) -> "torch.Tensor":
@@ -61,8 +72,7 @@ class Communicator(ABC):
         keeps its own; communicators with a native all-to-all override it."""
         import torch
 
-        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
-            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
+        self.check_all_to_all_counts(tensor, send_counts, recv_counts)
         if self.world_size == 1:
             return tensor
         counts = torch.tensor(send_counts, dtype=torch.int64, device=tensor.device)

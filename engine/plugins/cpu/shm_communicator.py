@@ -207,16 +207,10 @@ class ShmCommunicator(GlooCommunicator):
 
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:
-        if len(send_counts) != self.world_size or len(recv_counts) != self.world_size:
-            raise ValueError(f"all_to_all needs {self.world_size} send and receive counts")
-        if sum(send_counts) != tensor.shape[0]:
-            raise ValueError(f"all_to_all: send counts {send_counts} do not add up to the "
-                             f"{tensor.shape[0]} rows sent")
-        if self.world_size == 1:
-            return tensor
-        shm = self._routes(tensor) if tensor.dim() else None
+        shm = self._routes(tensor) if tensor.dim() and self.world_size > 1 else None
         if shm is None:
             return super().all_to_all(tensor, send_counts, recv_counts)
+        self.check_all_to_all_counts(tensor, send_counts, recv_counts)
         return shm.all_to_all(tensor.contiguous(), list(send_counts), list(recv_counts))
 
     def barrier(self) -> None:
