@@ -45,8 +45,8 @@ from typing import Any
 from engine.benchmarks.workload import Workload
 
 STAGES = (
-    "schedule", "prepare", "graph", "attention", "linear", "other", "logits", "sample", "update",
-    "output",
+    "schedule", "prepare", "graph", "attention", "linear", "other", "logits", "sample",
+    "propose", "update", "output",
 )
 OVERHEAD_STAGES = ("schedule", "prepare", "sample")  # what the <10% target is about
 
@@ -187,6 +187,7 @@ def _instrument(engine, clock: _Clock) -> Iterator[None]:
         (runner, "_eager_inputs", "prepare"),
         (runner, "_forward", "other"),
         (runner, "_sample", "sample"),
+        (runner, "_propose", "propose"),  # speculation's drafts for the next step
     ]
     if runner.decode_graphs is not None:
         methods.append((runner.decode_graphs, "forward", "graph"))

@@ -693,9 +693,16 @@ class ModelRunner:
             budget = min(budget, max_drafts_per_request)
         if budget <= 0 and proposer.may_skip(inputs.req_ids):
             return None  # nothing to draft, and nothing it must see this step
+        step = inputs.step
+        if budget <= 0 and inputs.num_drafts is None:
+            # No drafts verified: each request's verified positions are its scheduled ones.
+            first = step.query_start_loc[:-1]
+            starts = step.positions[first].astype(np.int64)
+            if proposer.defer(inputs.req_ids, starts, starts + step.num_scheduled, first,
+                              hidden):
+                return None  # kept for its next pass
         from engine.spec_decode.proposer import ProposalBatch
 
-        step = inputs.step
         batch = self.input_batch
         rows = step.rows
         emitted = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(rows))

@@ -34,7 +34,7 @@ from engine.core.interfaces import Platform
 from engine.core.sampling_params import SamplingType
 from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
-from engine.model_executor.input_batch import InputBatch, StepIndices
+from engine.model_executor.input_batch import InputBatch, StepIndices, segment_offsets
 from engine.model_executor.model_runner import KVCacheSpec, build_attention_metadata
 from engine.model_executor.sampling.sampler import exponential_race
 from engine.model_executor.sampling.state import SamplingState, draw_seed
@@ -280,11 +280,79 @@ class DraftModelProposer(ModelProposer):
         return self._run(batch.input_batch, step)
 
 
+@dataclass
+class _Deferred:
+    """A request's positions ``[start, end)`` the head has not run over yet, with the
+    target's hidden states there (one tensor per step that deferred)."""
+
+    start: int
+    end: int
+    hidden: list[torch.Tensor]
+
+
 class EagleProposer(ModelProposer):
     """An EAGLE head: (embedding of t_{i+1}, target hidden h_i) -> features predicting
-    t_{i+2}, with the target's LM head (models.eagle_llama)."""
+    t_{i+2}, with the target's LM head (models.eagle_llama).
+
+    Position i needs the target's h_i, which exists only in the step that computed it,
+    so the head follows every step. But a step that drafts nothing (the speculation
+    governor measured that drafting does not pay, or a batch past disable_by_batch_size)
+    needs no pass yet: it keeps the step's hidden rows and the head runs over the whole
+    backlog at the next pass, as one multi-token pass (a GEMM over many rows instead of
+    a decode-sized pass and its host work every step). A pass comes when some request
+    drafts, or when a backlog reaches ``max_deferred_positions``. What is skipped is
+    only ever the head's own KV for positions still ahead of its next pass; a request
+    that leaves first (finished, preempted) takes its backlog with it, so a prefix-cache
+    hit on its blocks may find that KV missing, which costs acceptance, never output
+    correctness (the target verifies every draft), as for a draft model's skipped
+    steps."""
 
     follows_every_step = True  # position i needs the target's h_i, there only that step
+    max_deferred_positions = 64  # per request; 0: a pass every step
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: dict[str, _Deferred] = {}
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self._deferred.pop(req_id, None)
+
+    def free_kv_cache(self) -> None:
+        super().free_kv_cache()
+        self._deferred.clear()  # their positions' KV went with the cache
+
+    def defer(self, req_ids: list[str], starts: np.ndarray, ends: np.ndarray,
+              hidden_starts: np.ndarray, target_hidden: torch.Tensor) -> bool:
+        """Keep this step's hidden rows instead of a pass; False (nothing kept) when a
+        backlog would pass its limit or not continue where the step starts."""
+        limit = self.max_deferred_positions
+        if limit <= 0:
+            return False
+        deferred = self._deferred
+        held = [deferred.get(r) for r in req_ids]
+        starts_list, ends_list = starts.tolist(), ends.tolist()
+        for h, start, end in zip(held, starts_list, ends_list):
+            if h is None:
+                if end - start > limit:
+                    return False
+            elif h.end != start or end - h.start > limit:
+                return False
+        counts = ends - starts
+        flat = hidden_starts if (counts == 1).all() else (  # decode steps: one row each
+            np.repeat(hidden_starts, counts) + segment_offsets(counts))
+        # A copy: the target's output is overwritten by its next step.
+        rows = target_hidden.index_select(0, self._upload(flat))
+        first = 0
+        for req_id, h, start, end in zip(req_ids, held, starts_list, ends_list):
+            n = end - start
+            if h is None:
+                deferred[req_id] = _Deferred(start, end, [rows[first : first + n]])
+            else:
+                h.end = end
+                h.hidden.append(rows[first : first + n])
+            first += n
+        return True
 
     @property
     def hidden_input(self) -> tuple[int, torch.dtype] | None:
@@ -293,16 +361,38 @@ class EagleProposer(ModelProposer):
         return self.model.config.hidden_size, norm.dtype
 
     def _first_pass(self, batch: ProposalBatch) -> tuple[torch.Tensor, np.ndarray]:
-        counts = batch.verified_ends - batch.starts
+        """Over each request's backlog (if any) and this step's verified positions."""
+        starts = batch.starts
+        counts = batch.verified_ends - starts
+        flat = np.repeat(batch.hidden_starts, counts) + segment_offsets(counts)
+        target_hidden = batch.target_hidden.index_select(0, self._upload(flat))
+        backlog = [self._deferred.pop(r, None) for r in batch.req_ids]
+        if any(held is not None for held in backlog):
+            starts, target_hidden = self._with_backlog(batch, backlog, counts, target_hidden)
+            counts = batch.verified_ends - starts
         ib = batch.input_batch
-        step = ib.span(batch.rows, batch.starts, counts)
+        step = ib.span(batch.rows, starts, counts)
         row_of = np.repeat(batch.rows, counts)
         step.input_ids = ib.token_ids[row_of, step.positions + 1]  # one token ahead
-        flat = np.repeat(batch.hidden_starts, counts) + (
-            step.positions - np.repeat(batch.starts, counts)
-        )
-        target_hidden = batch.target_hidden.index_select(0, self._upload(flat))
         return self._run(batch.input_batch, step, target_hidden=target_hidden), step.logits_indices
+
+    @staticmethod
+    def _with_backlog(batch: ProposalBatch, backlog: list[_Deferred | None],
+                      counts: np.ndarray, target_hidden: torch.Tensor
+                      ) -> tuple[np.ndarray, torch.Tensor]:
+        """Pass starts moved back over each continuing backlog, and the hidden rows in
+        pass order (a backlog that does not end where the step starts, e.g. a request
+        recomputed after preemption, is dropped: the step covers its positions again)."""
+        starts = batch.starts.copy()
+        pieces: list[torch.Tensor] = []
+        first = 0
+        for i, (held, n) in enumerate(zip(backlog, counts.tolist())):
+            if held is not None and held.end == starts[i]:
+                pieces.extend(held.hidden)
+                starts[i] = held.start
+            pieces.append(target_hidden[first : first + n])
+            first += n
+        return starts, torch.cat(pieces)
 
     def _step(self, batch: ProposalBatch, cur: np.ndarray, j: int, tokens: np.ndarray,
               hidden: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,14 @@ class Proposer(ABC):
         """Whether a step of these requests that drafts nothing may skip it."""
         return not self.follows_every_step
 
+    def defer(self, req_ids: list[str], starts: "np.ndarray", ends: "np.ndarray",
+              hidden_starts: "np.ndarray", target_hidden: "torch.Tensor") -> bool:
+        """A step that drafts nothing and verified no drafts, for a proposer that follows
+        every step: keep what it needs of the step (positions ``[starts[i], ends[i])``,
+        their target hidden states from flat row ``hidden_starts[i]``) for a later pass
+        instead of running now. False: nothing kept, :meth:`propose` runs."""
+        return False
+
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop what it keeps about requests that finished or were preempted."""
 

@@ -188,10 +188,13 @@ class Zoo:
             config["model"] = str(self.draft(name) if method == "draft_model" else self.eagle(name))
         return config
 
-    def llm(self, name: str, method: str | None = None, k: int = K, **kwargs: Any) -> LLM:
-        key = (name, method, k, tuple(sorted(kwargs.items())))
+    def llm(self, name: str, method: str | None = None, k: int = K,
+            spec_extra: dict[str, Any] | None = None, **kwargs: Any) -> LLM:
+        key = (name, method, k, tuple(sorted((spec_extra or {}).items())),
+               tuple(sorted(kwargs.items())))
         if key not in self._llms:
-            spec = None if method is None else self.spec_config(name, method, k)
+            spec = None if method is None else {**self.spec_config(name, method, k),
+                                                **(spec_extra or {})}
             kwargs.setdefault("max_num_seqs", 16)
             kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
             if name == "demo":
@@ -415,6 +418,55 @@ def test_mixed_batch_with_and_without_drafts_and_chunked_prefill(zoo, cyc, metho
         for step in steps
     )
     assert_nothing_leaked(llm)
+
+
+def test_eagle_head_catches_up_on_steps_that_drafted_nothing(zoo, cyc, monkeypatch):
+    """Steps of 2+ requests draft nothing (disable_by_batch_size=2): the EAGLE head keeps
+    their hidden states instead of a pass per step and runs over the backlog when the
+    batch shrinks to one request (or the backlog reaches its limit). Greedy outputs
+    equal no speculation, and the drafts after a catch-up are accepted as often as when
+    the head ran every step."""
+    from engine.spec_decode.draft_model import EagleProposer
+
+    name = "llama-cycle"
+    base = zoo.llm(name)
+    llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
+    proposer = core(llm).executor.proposer
+    prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
+               cycle_prompt(cyc, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (60, 20, 20, 20)]
+    want = run(base, prompts, params)
+    flushed: list[int] = []  # per catch-up pass: the most positions a request caught up
+    original = EagleProposer._with_backlog
+
+    def recording(batch, backlog, counts, target_hidden):
+        starts, hidden = original(batch, backlog, counts, target_hidden)
+        flushed.append(int((batch.starts - starts).max()))
+        return starts, hidden
+
+    monkeypatch.setattr(EagleProposer, "_with_backlog", staticmethod(recording))
+    results = {}
+    for limit in (EagleProposer.max_deferred_positions, 8, 0):
+        proposer.max_deferred_positions = limit
+        flushed.clear()
+        spec_stats(llm)
+        got = run(llm, prompts, params)
+        assert_outputs_equal(base, got, want)
+        results[limit] = (spec_stats(llm), list(flushed))
+        assert_nothing_leaked(llm)
+    proposer.max_deferred_positions = EagleProposer.max_deferred_positions
+    every_step, _ = results[0]
+    assert_drafts_used(every_step, accepted=True)
+    for limit in (EagleProposer.max_deferred_positions, 8):
+        stats, catch_ups = results[limit]
+        # ~19 decode steps of 4 requests deferred, caught up in passes of <= limit
+        # positions per request.
+        assert catch_ups and max(catch_ups) <= limit, (limit, catch_ups)
+        assert sum(catch_ups) >= 15, (limit, catch_ups)
+        assert stats.num_accepted_tokens >= 0.9 * every_step.num_accepted_tokens, (
+            limit, stats, every_step)
+    assert not results[0][1]  # limit 0: a pass every step, nothing held back
 
 
 @pytest.mark.parametrize("method", METHODS)
