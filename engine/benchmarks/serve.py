@@ -17,7 +17,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -164,9 +164,12 @@ async def _run(settings: ServeSettings, on_point: Callable | None) -> ServeResul
     async with httpx.AsyncClient(base_url=settings.api_root, headers=headers, timeout=timeout,
                                  limits=limits) as client:
         model = await resolve_model(client, settings.model)
-        payloads = build_payloads(settings.spec, model, settings.tokenizer)
         result = ServeResult(model)
-        for point in settings.points():
+        for index, point in enumerate(settings.points()):
+            # Fresh prompts for every point (seed + its index): the server's prefix cache
+            # still holds the previous point's, which would turn its prefills into hits.
+            spec = replace(settings.spec, seed=settings.spec.seed + index)
+            payloads = build_payloads(spec, model, settings.tokenizer)
             records, duration_s = await run_point(
                 client, ENDPOINTS[settings.spec.endpoint], payloads, point,
                 settings.spec.seed, settings.timeout_s)

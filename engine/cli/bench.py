@@ -359,7 +359,9 @@ def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:
 @click.option("--max-concurrency", default=None,
               help="Most requests in flight; a comma list sweeps  [default: no cap]")
 @click.option("--seed", type=int, default=0, show_default=True,
-              help="Seeds the prompt draw and the arrival times.")
+              help="Seeds the prompt draw (point i of a sweep: seed + i) and the arrival "
+                   "times; give each run against one server its own seed (its prefix cache "
+                   "keeps earlier prompts).")
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
               help="Local model/tokenizer dir: sets the id bound and decodes chat prompts.")
 @click.option("--vocab-high", type=int, default=None,

@@ -20,6 +20,7 @@ from engine.benchmarks.serve import (
     parse_rates,
     resolve_model,
     run_point,
+    run_serve_benchmark,
     send_request,
 )
 from engine.benchmarks.serve_prompts import (
@@ -117,6 +118,33 @@ def test_resolve_model():
         _run_with(_models(401), lambda c: resolve_model(c, None))
     with pytest.raises(ServerError, match="lists no models"):
         _run_with(_models(ids=()), lambda c: resolve_model(c, None))
+
+
+def test_every_sweep_point_sends_fresh_prompts(monkeypatch):
+    """A server's prefix cache keeps the prompts of the previous sweep point: each point
+    draws its own (seed + point index), the first one exactly the seed's."""
+    from engine.benchmarks import serve as serve_module
+
+    sent: list[list[int]] = []
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return _models()(request)
+        sent.append(json.loads(request.content)["prompt"])
+        return httpx.Response(200, content=_sse({"choices": [{"text": "x"}]}, USAGE, "[DONE]"))
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(serve_module.httpx, "AsyncClient", lambda **kwargs: real_client(
+        transport=httpx.MockTransport(handler), **kwargs))
+    spec = PromptSpec("completions", num_prompts=3, input_len=6, output_len=2, seed=5,
+                      vocab_high=300)
+    settings = ServeSettings("http://bench.test/v1", spec, concurrencies=(1, 2))
+    result = run_serve_benchmark(settings)
+    assert len(result.points) == 2 and len(sent) == 6
+    first = Workload(num_prompts=3, input_len=6, output_len=2, seed=5,
+                     vocab_high=300).prompt_token_ids()
+    assert sent[:3] == first  # concurrency 1: in order
+    assert not {tuple(p) for p in sent[:3]} & {tuple(p) for p in sent[3:]}
 
 
 def test_run_point_honours_the_concurrency_cap():
