@@ -338,11 +338,7 @@ class EagleProposer(ModelProposer):
                     return False
             elif h.end != start or end - h.start > limit:
                 return False
-        counts = ends - starts
-        flat = hidden_starts if (counts == 1).all() else (  # decode steps: one row each
-            np.repeat(hidden_starts, counts) + segment_offsets(counts))
-        # A copy: the target's output is overwritten by its next step.
-        rows = target_hidden.index_select(0, self._upload(flat))
+        rows = self._hidden_rows(target_hidden, hidden_starts, ends - starts)
         first = 0
         for req_id, h, start, end in zip(req_ids, held, starts_list, ends_list):
             n = end - start
@@ -364,8 +360,7 @@ class EagleProposer(ModelProposer):
         """Over each request's backlog (if any) and this step's verified positions."""
         starts = batch.starts
         counts = batch.verified_ends - starts
-        flat = np.repeat(batch.hidden_starts, counts) + segment_offsets(counts)
-        target_hidden = batch.target_hidden.index_select(0, self._upload(flat))
+        target_hidden = self._hidden_rows(batch.target_hidden, batch.hidden_starts, counts)
         backlog = [self._deferred.pop(r, None) for r in batch.req_ids]
         if any(held is not None for held in backlog):
             starts, target_hidden = self._with_backlog(batch, backlog, counts, target_hidden)
@@ -375,6 +370,14 @@ class EagleProposer(ModelProposer):
         row_of = np.repeat(batch.rows, counts)
         step.input_ids = ib.token_ids[row_of, step.positions + 1]  # one token ahead
         return self._run(batch.input_batch, step, target_hidden=target_hidden), step.logits_indices
+
+    def _hidden_rows(self, target_hidden: torch.Tensor, hidden_starts: np.ndarray,
+                     counts: np.ndarray) -> torch.Tensor:
+        """``counts[i]`` rows of the target's output from flat row ``hidden_starts[i]``,
+        request by request, as a copy (the target's next step overwrites its output)."""
+        flat = hidden_starts if (counts == 1).all() else (  # decode steps: one row each
+            np.repeat(hidden_starts, counts) + segment_offsets(counts))
+        return target_hidden.index_select(0, self._upload(flat))
 
     @staticmethod
     def _with_backlog(batch: ProposalBatch, backlog: list[_Deferred | None],

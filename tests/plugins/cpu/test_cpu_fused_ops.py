@@ -140,6 +140,27 @@ def test_embedding_lookup_matches_torch_and_refuses_unknown_ids(ops, dtype):
         ops.embedding(ids.int(), table)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sharded_lookup_gives_its_rows_and_zeros_for_the_others(ops, dtype):
+    """A tensor-parallel rank's lookup (rows 20..39 of a 50-word vocabulary, 17 of them
+    real): its ids' rows, zero rows for every other id, an error outside the vocabulary."""
+    vocab, start, num_real = 50, 20, 17
+    shard = torch.randn(20, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ids = torch.tensor([0, 20, 36, 37, 39, 49, 25, 19])
+    for wider in DTYPES:
+        want = torch.zeros(len(ids), 24, dtype=wider)
+        for i, token in enumerate(ids.tolist()):
+            if start <= token < start + num_real:
+                want[i] = shard[token - start].to(wider)
+        got = ops.embedding_shard(ids, shard, start, num_real, vocab, wider)
+        assert got.dtype == wider and torch.equal(got, want)
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary of 50"):
+            ops.embedding_shard(torch.tensor([21, bad]), shard, start, num_real, vocab)
+    with pytest.raises(ValueError, match="does not fit"):
+        ops.embedding_shard(ids, shard, start, 21, vocab)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_give_the_same_results_fused_or_not(ops, dtype):
     gen = torch.Generator().manual_seed(3)

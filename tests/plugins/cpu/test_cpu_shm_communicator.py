@@ -197,6 +197,7 @@ def _collectives(comm, rank: int, world: int) -> list[str]:
         assert torch.equal(per_level.all_gather(_data(rank, (5, 700), torch.bfloat16, 22), 1),
                            torch.cat([_data(r, (5, 700), torch.bfloat16, 22)
                                       for r in range(world)], 1))
+        _check_all_to_all(per_level, rank, world)
         levels.append(level)
     # The platform's choice, through init_parallel_state (the world is already joined).
     state = init_parallel_state(current_platform().communicator_cls(),
