@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from engine.core.tokenizer_choice import TokenizerChoices, choices_enabled
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Any of these in a directory means a tokenizer can be built from it.
 TOKENIZER_FILES = (
@@ -38,10 +42,18 @@ def load_tokenizer(path: str | os.PathLike, revision: str | None = None) -> PreT
             f"no tokenizer files in {str(directory)!r}: "
             f"expected one of {', '.join(TOKENIZER_FILES)}"
         )
+    kwargs = {"revision": revision, "trust_remote_code": False, "local_files_only": True}
     try:
-        return AutoTokenizer.from_pretrained(
-            str(directory), revision=revision, trust_remote_code=False, local_files_only=True
-        )
+        choices = TokenizerChoices() if choices_enabled() else None
+        cls = choices.recorded_class(directory) if choices is not None else None
+        if cls is not None:
+            return cls.from_pretrained(str(directory), **kwargs)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        if choices is not None:
+            choices.record(directory, tokenizer, kwargs)
+        return tokenizer
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"could not load the tokenizer in {str(directory)!r}: {exc}") from exc
 

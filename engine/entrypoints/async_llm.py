@@ -39,7 +39,11 @@ from engine.core.mp_client import STARTUP_TIMEOUT_S
 from engine.core.outputs import PoolingRequestOutput, RequestOutput
 from engine.core.pooling_params import PoolingParams
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
-from engine.frontend.llm_engine import adopt_max_model_len, build_processor
+from engine.frontend.llm_engine import (
+    adopt_max_model_len,
+    build_processor,
+    start_beside_processor,
+)
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import PromptType
@@ -60,15 +64,21 @@ class AsyncLLM:
         ``--api-server-count`` launcher's, over attached channels); such cores are not
         this engine's to restart. By default the engine starts its own."""
         self.config = config
-        self.processor, self.tokenizer = build_processor(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.model_name = config.model.served_model_name or config.model.model
         self.max_model_len = config.scheduler.max_model_len
         self._startup_timeout_s = startup_timeout_s
-        # Blocks until the core has loaded the model (or raises EngineStartupError); with
-        # data parallelism, one core per rank behind an AsyncDPClient.
         self.attached = client is not None
-        self.client = client or start_async_client(config, startup_timeout_s=startup_timeout_s)
+        if client is not None:
+            self.processor, self.tokenizer = build_processor(config)
+            self.client = client
+        else:
+            # Blocks until the core has loaded the model (or raises EngineStartupError);
+            # with data parallelism, one core per rank behind an AsyncDPClient. The
+            # tokenizer loads meanwhile.
+            self.processor, self.tokenizer, self.client = start_beside_processor(
+                config, lambda: start_async_client(config,
+                                                   startup_timeout_s=startup_timeout_s))
+        self.output_processor = OutputProcessor(self.tokenizer)
         # --max-model-len auto: the length the core resolved once the KV cache was sized.
         self.max_model_len = adopt_max_model_len(config, self.processor, self.client)
         self.num_core_restarts = 0

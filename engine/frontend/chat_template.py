@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 CONTENT_FORMATS = ("string", "openai")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from engine.core.config import EngineConfig
@@ -140,6 +142,31 @@ def build_processor(config: EngineConfig) -> tuple[Processor, Any]:
         processor.pooling = PoolingProcessor(tokenizer, config.scheduler.max_model_len,
                                              vocab_size, info)
     return processor, tokenizer
+
+
+def start_beside_processor(config: EngineConfig, start_client: Callable[[], Any]
+                           ) -> tuple[Processor, Any, Any]:
+    """``(processor, tokenizer, client)``: the front end's tokenizer side is built on a
+    helper thread while ``start_client`` waits for an engine core *process* to load the
+    model (its wait releases the GIL, so the two loads share the machine instead of
+    adding up). Errors keep their order: the front end's own (a bad tokenizer or config)
+    is raised even when the core failed too; a core started for a front end that failed
+    is shut down."""
+    with ThreadPoolExecutor(1, thread_name_prefix="engine-processor") as pool:
+        job = pool.submit(build_processor, config)
+        try:
+            client = start_client()
+        except BaseException:
+            front_end_error = job.exception()
+            if front_end_error is not None:
+                raise front_end_error from None
+            raise
+        try:
+            processor, tokenizer = job.result()
+        except BaseException:
+            client.shutdown()
+            raise
+    return processor, tokenizer, client
 
 
 def build_multimodal_processor(config: EngineConfig, files: Any, tokenizer: Any) -> Any:

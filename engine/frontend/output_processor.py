@@ -22,9 +22,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from transformers import PreTrainedTokenizerBase
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.core.engine_io import EngineCoreOutput, EngineCoreRequest
@@ -43,6 +42,9 @@ from engine.core.scheduler.output import LogprobsLists, PooledData
 from engine.core.sampling_params import RequestOutputKind, SamplingParams
 from engine.frontend.stop_strings import StopStringMatcher
 from engine.core.tokenizer import TokenDecoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class OutputSink(Protocol):

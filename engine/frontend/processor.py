@@ -15,10 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from engine.frontend.chat_template import render_chat_template
 from engine.core.engine_io import EngineCoreRequest
@@ -27,6 +26,9 @@ from engine.core.sampling_params import SamplingParams
 from engine.lora.request import LoRARequest
 from engine.multimodal.prompt import MultiModalPrompt
 from engine.structured_output import check_compilable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PromptType = str | Sequence[int] | Mapping[str, Any]
 

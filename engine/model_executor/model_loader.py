@@ -27,6 +27,7 @@ from engine.core.interfaces import (
     FusedOps,
     QuantizedGemmKernel,
 )
+from engine.model_executor.hf_config_snapshot import ConfigSnapshot
 from engine.model_executor.layers.linear import pack_dense_weights
 from engine.model_executor.layers.rotary import rope_scaling_from_config
 from engine.model_executor.models.interface import ModelInitContext
@@ -131,8 +132,26 @@ def read_generation_config(path: str | Path) -> GenerationDefaults | None:
     )
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """The transformers config of a model directory (ValueError when unreadable)."""
+def load_hf_config(path: str | Path, *, snapshot: bool = True) -> Any:
+    """The transformers config of a model directory (ValueError when unreadable): its
+    stored snapshot when one was taken of the same ``config.json`` (``snapshot=False``:
+    always transformers' own object), see engine.model_executor.hf_config_snapshot."""
+    from engine.model_executor import hf_config_snapshot
+
+    path = Path(path)
+    use_snapshots = snapshot and hf_config_snapshot.snapshots_enabled()
+    if use_snapshots:
+        store = hf_config_snapshot.ConfigSnapshotStore()
+        stored = store.load(path, _auto_config)
+        if stored is not None:
+            return stored
+    config = _auto_config(path)
+    if use_snapshots:
+        store.save(path, config, _auto_config)
+    return config
+
+
+def _auto_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
@@ -198,6 +217,12 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
     from engine.model_executor.models.transformers_backend import resolve_model_class
 
+    native = model_impl == "engine" or (
+        model_impl == "auto" and any(a in registry for a in architectures))
+    if not native and isinstance(hf_config, ConfigSnapshot):
+        # The Transformers backend builds transformers' own model from the config.
+        hf_config = load_hf_config(path, snapshot=False)
+        apply_hf_overrides(hf_config, hf_overrides)
     model_cls, architecture, impl = resolve_model_class(architectures, registry, hf_config,
                                                         model_impl)
     return ModelFiles(

@@ -156,11 +156,12 @@ class PluginRegistry:
 
     def _load(self, ep: EntryPoint) -> PluginInfo:
         dist = ep.dist
+        meta = dist.metadata if dist is not None else None  # parsed once: name and version
         info = PluginInfo(
             name=ep.name,
             module=ep.value,
-            distribution=dist.name if dist is not None else None,
-            version=dist.version if dist is not None else None,
+            distribution=meta["Name"] if meta is not None else None,
+            version=meta["Version"] if meta is not None else None,
         )
         try:
             plugin = ep.load()

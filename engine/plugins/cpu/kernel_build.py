@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from engine.core.cache_paths import cache_dirs as engine_cache_dirs
+
 SOURCES = (
     "paged_decode_attention.c", "elementwise.c", "gemm.c", "forward_graph.c", "runtime.c",
     "lora.c", "shm_comm.c", "mla_decode.c",
@@ -180,9 +182,7 @@ def select_level(flags: frozenset[str] | None = None, arch: str | None = None) -
 def cache_dirs() -> list[Path]:
     """Where built libraries are kept, in order of preference: ``$ENGINE_CACHE_DIR`` (or
     ``~/.cache/engine``), then a per-user temporary directory for read-only homes."""
-    root = os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine"
-    fallback = Path(tempfile.gettempdir()) / f"engine-{os.getuid()}"
-    return [Path(root) / "cpu_kernels", fallback / "cpu_kernels"]
+    return engine_cache_dirs("cpu_kernels")
 
 
 def level_flags(level: IsaLevel) -> tuple[str, ...]:
