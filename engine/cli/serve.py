@@ -178,7 +178,8 @@ def serve_cmd(model_arg: str | None, host: str, port: int, api_key: str | None,
     try:
         args = EngineArgs.from_kwargs(**engine_args_from_options(engine_kwargs),
                                       served_model_name=served_model_name,
-                                      reasoning_parser=reasoning_parser)
+                                      reasoning_parser=reasoning_parser,
+                                      usage_context="api_server")
         if api_server_count > 1:
             config = args.create_engine_config()
         else:

@@ -59,7 +59,8 @@ def recorded(monkeypatch) -> list[dict]:
         raise ValueError("stub engine")
 
     def fake_from_engine_args(args, **kwargs):
-        calls.append({"speculative_config": args.speculative_config})
+        calls.append({"speculative_config": args.speculative_config,
+                      "usage_context": args.usage_context})
         raise ValueError("stub engine")
 
     monkeypatch.setattr(engine, "LLM", fake_llm)
@@ -77,6 +78,13 @@ def test_the_dict_reaches_engine_args(recorded, command):
     result = CliRunner().invoke(main, [*command, "--speculative-config", json.dumps(NGRAM)])
     assert "stub engine" in result.output, result.output
     assert recorded[-1]["speculative_config"] == NGRAM
+
+
+def test_serve_builds_its_engine_for_an_api_server(recorded):
+    """``engine serve`` takes the API server's defaults (a 2048-token step budget)."""
+    result = CliRunner().invoke(main, ["serve"])
+    assert "stub engine" in result.output, result.output
+    assert recorded[-1]["usage_context"] == "api_server"
 
 
 def test_without_the_option_engine_args_get_none(recorded):

@@ -34,3 +34,18 @@ def test_vllm_v1_defaults(llama_dir):
     assert config.cache.enable_prefix_caching and config.scheduler.enable_chunked_prefill
     assert config.scheduler.max_num_batched_tokens == 8192
     assert config.model.dtype == "float32"  # "auto" = the checkpoint's dtype
+
+
+def test_token_budget_follows_the_usage_context(llama_dir):
+    """vLLM's CPU defaults: 2048 tokens a step behind an API server, bigger offline; an
+    explicit budget wins either way, and without chunking a step still fits a prompt."""
+    served = EngineArgs(model=str(llama_dir), usage_context="api_server")
+    assert served.create_engine_config().scheduler.max_num_batched_tokens == 2048
+    explicit = EngineArgs(model=str(llama_dir), usage_context="api_server",
+                          max_num_batched_tokens=512)
+    assert explicit.create_engine_config().scheduler.max_num_batched_tokens == 512
+    whole = EngineArgs(model=str(llama_dir), usage_context="api_server",
+                       enable_chunked_prefill=False).create_engine_config()
+    assert whole.scheduler.max_num_batched_tokens == max(2048, whole.model.max_model_len)
+    with pytest.raises(ValueError, match="usage_context 'web'"):
+        EngineArgs(model=str(llama_dir), usage_context="web").create_engine_config()
