@@ -208,7 +208,7 @@ class ModelRunner:
         self.proposer = proposer
         k = 0 if proposer is None else proposer.num_speculative_tokens
         self._max_verify_len = 1 + k  # tokens of a request whose drafts are verified
-        self.rejection_sampler = RejectionSampler(self.sampler.argmax)
+        self.rejection_sampler = RejectionSampler(self.sampler.argmax, self.sampler.categorical)
         self._draft_probs: dict[str, torch.Tensor] = {}
         from engine.model_executor.layers.fused_moe import FusedMoE
 

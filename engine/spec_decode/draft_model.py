@@ -36,7 +36,7 @@ from engine.model_executor.decode_graphs import DecodeGraphs
 from engine.model_executor.forward_context import ForwardContext, set_forward_context
 from engine.model_executor.input_batch import InputBatch, StepIndices, segment_offsets
 from engine.model_executor.model_runner import KVCacheSpec, build_attention_metadata
-from engine.model_executor.sampling.sampler import exponential_race
+from engine.model_executor.sampling.sampler import Sampler
 from engine.model_executor.sampling.state import SamplingState, draw_seed
 from engine.spec_decode.proposer import DraftProposal, ProposalBatch, Proposer
 
@@ -83,6 +83,7 @@ class ModelProposer(Proposer):
         self._max_decode_len = num_speculative_tokens + 2
         self._capturer = None if enforce_eager else platform.forward_graph_capturer()
         self.graphs: DecodeGraphs | None = None
+        self._sampler = Sampler(platform.fused_ops())  # its random draw, as the target's
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -172,7 +173,7 @@ class ModelProposer(Proposer):
             key = (int(state.seed[row]) ^ _DRAFT_SALT) & _MASK64
             generator.manual_seed(draw_seed(key, int(state.num_output_tokens[row]) + j))
             generators[i] = generator
-        drawn = exponential_race(probs.clone(), generators)
+        drawn = self._sampler.draw(probs.clone(), generators)
         tokens = torch.where(torch.from_numpy(greedy).to(self.device), tokens, drawn)
         return _Draws(tokens.cpu().numpy(), probs)
 

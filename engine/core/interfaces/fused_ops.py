@@ -8,7 +8,8 @@ the model's layers then call it for the dtypes it supports and keep their torch 
 chains otherwise. Each kernel must round to the storage dtype where the op chain it replaces
 does (HF's arithmetic order), so swapping one in moves results by float32 rounding at
 most. The sampler takes its row-wise argmax (greedy rows and the exponential race) from
-here too: torch's index-tracking reduction reads [64, 16000] float32 logits at ~1 GB/s.
+here too: torch's index-tracking reduction reads [64, 16000] float32 logits at ~1 GB/s;
+and, where the platform has one, its random draw (``categorical``).
 """
 
 from __future__ import annotations
@@ -91,3 +92,11 @@ class FusedOps(ABC):
     def argmax(self, x: "torch.Tensor") -> "torch.Tensor":
         """``x.argmax(dim=-1)`` (int64) for float32 ``x [rows, cols]``: the first maximum
         of each row, or its first NaN, as torch returns it."""
+
+    def categorical(self, probs: "torch.Tensor", u: "torch.Tensor") -> "torch.Tensor | None":
+        """One index per row of float32 ``probs [rows, cols]`` (non-negative, any scale),
+        drawn by inverse CDF with the float64 uniforms ``u [rows]`` in [0, 1): the first
+        index whose running sum exceeds ``u x`` the row's sum, never one of probability 0.
+        None (the default): no kernel, the sampler races exponentials instead (one random
+        number per entry: cheap on GPUs, ~22 ns each in torch on a CPU)."""
+        return None

@@ -31,7 +31,12 @@ import torch
 from engine.model_executor.sampling import row_softmax
 from engine.model_executor.sampling.logprobs import LogprobsTensors, gather_logprobs
 from engine.model_executor.sampling.metadata import SamplingMetadata
-from engine.model_executor.sampling.sampler import exponential_race, process_logits, torch_argmax
+from engine.model_executor.sampling.sampler import (
+    Categorical,
+    draw_tokens,
+    process_logits,
+    torch_argmax,
+)
 from engine.model_executor.sampling.state import SpecLayout
 from engine.model_executor.sampling.topk_topp import apply_min_p, apply_top_k_top_p
 
@@ -51,8 +56,10 @@ class RejectionOutput:
 class RejectionSampler:
     """Stateless: per-row inputs arrive in the metadata and the layout."""
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                 categorical: Categorical | None = None) -> None:
         self.argmax = argmax
+        self.categorical = categorical  # the platform's random draw (draw_tokens)
 
     @torch.inference_mode()
     def __call__(
@@ -160,7 +167,7 @@ class RejectionSampler:
             for i, r in enumerate(final_rows.tolist())
             if int(r) in metadata.generators
         }
-        drawn = exponential_race(dist, generators, self.argmax)
+        drawn = draw_tokens(dist, generators, self.argmax, self.categorical)
         if greedy is None:
             return drawn
         return torch.where(metadata.greedy_mask.index_select(0, rows), greedy, drawn)

@@ -52,6 +52,7 @@ CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6
 _LOCK = threading.Lock()
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+CATEGORICAL_MAX_COLS = 8192 * 256  # categorical_rows: CAT_MAX_BLOCKS x CAT_BLOCK
 
 
 class KeyLayout(Enum):
@@ -243,6 +244,7 @@ class CPUKernels(FusedOps):
         self._residual_add = _bind_op(lib.residual_add, [_ptr, _i64, _ptr, _i64, _i64, _i64,
                                                          _i32])
         self._argmax = _bind_op(lib.argmax_rows, [_ptr, _i64, _i64, _i64, _ptr])
+        self._categorical = _bind_op(lib.categorical_rows, [_ptr, _i64, _i64, _i64, _ptr, _ptr])
         self._rotary_neox = _bind_op(lib.rotary_neox, [
             _ptr, _i64, _ptr, _ptr,  # x, x row stride, positions, cos|sin table
             _i64, _i64, _i64, _i64, _i32,  # rows, heads, head size, table rows, dtype
@@ -410,6 +412,19 @@ class CPUKernels(FusedOps):
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
             _check(self._argmax(x.data_ptr(), x.stride(0), rows, cols, out.data_ptr()), "argmax")
+        return out
+
+    def categorical(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+        """Inverse-CDF draws (``FusedOps.categorical``): one pass over each row."""
+        if (probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(-1) != 1
+                or probs.shape[1] > CATEGORICAL_MAX_COLS):
+            return None
+        rows, cols = probs.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            u = u.to(torch.float64).contiguous()
+            _check(self._categorical(probs.data_ptr(), probs.stride(0), rows, cols,
+                                     u.data_ptr(), out.data_ptr()), "categorical")
         return out
 
     def rotary_neox_(

@@ -25,9 +25,9 @@ from tests.plugins.cpu import references as refs
 
 OP_GEMM_PACKED, OP_GEMM_PLAIN, OP_ATTENTION, OP_RMS_NORM = 1, 2, 3, 4
 OP_SILU_AND_MUL, OP_ROTARY, OP_EMBEDDING, OP_ARGMAX = 5, 6, 7, 8
-OP_QGEMM, OP_QUANT_ACT = 9, 10
+OP_QGEMM, OP_QUANT_ACT, OP_CATEGORICAL = 9, 10, 11
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3, torch.uint8: 4,
-         torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
+         torch.float8_e4m3fn: 5, torch.float8_e5m2: 6, torch.float64: 7}
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 # op-chain tolerances of the fused elementwise kernels (as test_cpu_fused_ops.py)
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=0, rtol=2**-7),
@@ -234,6 +234,19 @@ class Suite:
 
         self.cases.append(Case(f"argmax {rows}x{cols}", OP_ARGMAX, (rows, cols), (), [x], check))
 
+    def categorical(self, rows: int, cols: int) -> None:
+        probs = torch.rand(rows, cols, generator=self.gen) ** 4
+        probs[probs < 0.05] = 0.0
+        u = torch.rand(rows, generator=self.gen, dtype=torch.float64)
+
+        def check(outs):
+            running = probs.double().cumsum(dim=1)
+            expected = (running <= u.unsqueeze(1) * running[:, -1:]).sum(dim=1)
+            assert torch.equal(outs[0], expected)
+
+        self.cases.append(Case(f"categorical {rows}x{cols}", OP_CATEGORICAL, (rows, cols), (),
+                               [probs, u], check))
+
     # -- running ------------------------------------------------------------------------
     def run(self, command: list[str], work: Path, env: dict[str, str] | None = None) -> str:
         """Run the driver (``command`` + the two file names); check every case, raising
@@ -280,6 +293,7 @@ def standard_suite(pairs: bool) -> Suite:
         suite.rotary(5, 3, 32, dtype)
         suite.embedding(6, 50, 24, bf16, dtype)
     suite.argmax(4, 3000)
+    suite.categorical(9, 3000)
     for m in (1, 2, 5, 9):  # decode blocks of every row count, then the prefill schedule
         suite.qgemm(m, "int", 4, 80, 192, 64, bias=m == 5)
         suite.qgemm(m, "int", 8, 48, 192, 192, zeros=False)

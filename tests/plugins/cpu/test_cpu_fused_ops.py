@@ -192,6 +192,77 @@ def test_argmax_matches_torch_ties_nans_and_masked_rows(ops):
     assert ops.argmax(x[:0]).shape == (0,)
 
 
+def _inverse_cdf64(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """float64 reference: the first index whose running sum exceeds u x the row's sum."""
+    running = probs.double().cumsum(dim=1)
+    target = u.double().unsqueeze(1) * running[:, -1:]
+    return (running <= target).sum(dim=1)
+
+
+@pytest.mark.parametrize("cols", [7, 256, 1000, 16000, 40961])  # within, at, across blocks
+def test_categorical_draws_as_the_float64_inverse_cdf(ops, cols):
+    gen = torch.Generator().manual_seed(cols)
+    rows = 40  # the parallel loop
+    wide = torch.rand(rows, cols + 5, generator=gen) ** 4  # strided rows, skewed mass
+    probs = wide[:, 5:]
+    probs[probs < 0.02] = 0.0  # masked entries, as top-k / top-p leave them
+    probs[0] *= 1e-20  # any scale
+    probs[1] = 0.0
+    probs[1, cols // 2] = 3.0  # one token of positive probability
+    u = torch.rand(rows, generator=gen, dtype=torch.float64)
+    u[2], u[3] = 0.0, 1.0 - 2.0 ** -53  # the ends of [0, 1)
+    drawn = ops.categorical(probs, u)
+    expected = _inverse_cdf64(probs, u)
+    assert drawn.dtype == torch.int64 and drawn.shape == (rows,)
+    assert torch.equal(drawn, expected)
+    assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())  # never a masked entry
+    assert drawn[1] == cols // 2
+
+
+def test_categorical_frequencies_follow_the_distribution(ops):
+    """200,000 draws over 5,000 rows: each share within 5 standard deviations of its
+    probability; entries of probability 0 never drawn."""
+    weights = torch.tensor([0.1, 0.0, 0.25, 0.05, 0.0, 0.6] + [0.0] * 300)
+    rows = 5000
+    counts = torch.zeros_like(weights)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        drawn = ops.categorical(weights.expand(rows, -1).contiguous(),
+                                torch.rand(rows, generator=gen, dtype=torch.float64))
+        counts += torch.bincount(drawn, minlength=weights.numel()).float()
+    total = counts.sum()
+    share = weights / weights.sum()
+    sigma = (share * (1 - share) / total).sqrt()
+    assert bool(((counts / total - share).abs() <= 5 * sigma + 1e-12).all())
+    assert counts[share == 0].sum() == 0
+
+
+def test_categorical_refuses_what_it_cannot_run(ops):
+    assert ops.categorical(torch.rand(2, 8, dtype=torch.float64),
+                           torch.rand(2, dtype=torch.float64)) is None
+    assert ops.categorical(torch.rand(8, 2).t(), torch.rand(2, dtype=torch.float64)) is None
+    assert ops.categorical(torch.rand(0, 8), torch.rand(0, dtype=torch.float64)).shape == (0,)
+    zero = ops.categorical(torch.zeros(2, 300), torch.rand(2, dtype=torch.float64))
+    assert zero.tolist() == [0, 0]  # no positive entry: index 0, as documented
+
+
+def test_sampler_random_rows_draw_through_the_kernel(ops):
+    """The sampler's random rows come from ``categorical`` with one uniform per row; a
+    seeded row's uniform from its own generator, whatever else is in the batch."""
+    from engine.model_executor.sampling.sampler import Sampler, row_uniforms
+
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(4, 3000, generator=gen), dim=-1)
+    torch.manual_seed(11)
+    seeded = {2: torch.Generator().manual_seed(9)}
+    drawn = Sampler(ops).draw(probs.clone(), seeded)
+    torch.manual_seed(11)
+    u = row_uniforms(4, {2: torch.Generator().manual_seed(9)}, torch.device("cpu"))
+    assert torch.equal(drawn, _inverse_cdf64(probs, u))
+    alone = Sampler(ops).draw(probs[2:3].clone(), {0: torch.Generator().manual_seed(9)})
+    assert alone.item() == drawn[2].item()
+
+
 def test_sampler_draws_the_same_tokens_with_the_fused_argmax(ops):
     from engine.model_executor.sampling.sampler import Sampler, exponential_race
 

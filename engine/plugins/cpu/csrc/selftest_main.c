@@ -9,7 +9,8 @@
  * CASES: records of  int32 op | int32 n_ints, int64 ints[] | int32 n_floats,
  * float floats[] | int32 n_arrays, then per array int32 dtype, int64 bytes, bytes[].
  * OUT: per record  int32 status | int32 n_arrays, then the arrays as above.
- * Dtype codes: those of cpu_math.h, 3 for int64, 4 for uint8. Little-endian, no padding.
+ * Dtype codes: those of cpu_math.h, 3 for int64, 4 for uint8, 7 for float64. Little-endian,
+ * no padding.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -20,11 +21,13 @@
 #include "kernels.h"
 
 int argmax_rows(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t *out);
+int categorical_rows(const float *probs, int64_t stride, int64_t rows, int64_t cols,
+                     const double *u, int64_t *out);
 const char *isa_level(void);
 
 enum { OP_GEMM_PACKED = 1, OP_GEMM_PLAIN = 2, OP_ATTENTION = 3, OP_RMS_NORM = 4,
        OP_SILU_AND_MUL = 5, OP_ROTARY = 6, OP_EMBEDDING = 7, OP_ARGMAX = 8, OP_QGEMM = 9,
-       OP_QUANT_ACT = 10 };
+       OP_QUANT_ACT = 10, OP_CATEGORICAL = 11 };
 enum { DTYPE_I64 = 3, DTYPE_U8 = 4, MAX_ITEMS = 32 };
 
 typedef struct {
@@ -214,6 +217,9 @@ static int32_t run(const record_t *r, array_t *outs, int *n_outs) {
     case OP_ARGMAX: /* rows cols | x float32 */
         outs[0] = new_array(DTYPE_I64, p[0]);
         return argmax_rows(a[0].data, p[1], p[0], p[1], outs[0].data);
+    case OP_CATEGORICAL: /* rows cols | probs float32, u float64 */
+        outs[0] = new_array(DTYPE_I64, p[0]);
+        return categorical_rows(a[0].data, p[1], p[0], p[1], a[1].data, outs[0].data);
     default:
         *n_outs = 0;
         return -100;
