@@ -124,7 +124,8 @@ class ServeSettings:
             "base_url": self.api_root, "endpoint": spec.endpoint,
             "num_prompts": spec.num_prompts, "input_len": spec.input_len,
             "output_len": spec.output_len, "ignore_eos": spec.ignore_eos, "seed": spec.seed,
-            "vocab_high": spec.vocab_high, "tokenizer": self.tokenizer,
+            "vocab_high": spec.vocab_high, "temperature": spec.temperature,
+            "tokenizer": self.tokenizer,
             "request_rates": [rate_text(r) if math.isinf(r) else r for r in self.rates],
             "max_concurrencies": list(self.concurrencies), "timeout_s": self.timeout_s,
         }

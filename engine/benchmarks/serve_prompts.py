@@ -56,10 +56,13 @@ class PromptSpec:
     ignore_eos: bool = True
     seed: int = 0
     vocab_high: int = DEFAULT_VOCAB_HIGH
+    temperature: float = 0.0  # 0: greedy; above it every request samples (unseeded)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {self.endpoint!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
     def workload(self) -> Workload:
         return Workload(num_prompts=self.num_prompts, input_len=self.input_len,
@@ -69,10 +72,11 @@ class PromptSpec:
 
 def build_payloads(spec: PromptSpec, model: str, tokenizer_path: str | Path | None = None
                    ) -> list[dict[str, Any]]:
-    """One streamed, greedy request body per prompt, usage included at the end."""
+    """One streamed request body per prompt (greedy unless ``spec.temperature``), usage
+    included at the end."""
     ids = spec.workload().prompt_token_ids()
     common = {
-        "model": model, "max_tokens": spec.output_len, "temperature": 0.0,
+        "model": model, "max_tokens": spec.output_len, "temperature": spec.temperature,
         "ignore_eos": spec.ignore_eos, "stream": True,
         "stream_options": {"include_usage": True},
     }

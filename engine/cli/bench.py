@@ -354,6 +354,8 @@ def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:
 @click.option("--output-len", type=int, default=128, show_default=True,
               help="Output tokens per request (max_tokens).")
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Sampling temperature of every request (0: greedy).")
 @click.option("--request-rate", default="inf", show_default=True,
               help="Requests/s with Poisson arrivals (inf: all at once); a comma list sweeps.")
 @click.option("--max-concurrency", default=None,
@@ -376,7 +378,8 @@ def _settings(workload, warmup: int, repeats: int) -> dict[str, Any]:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of throughput and latency over the sweep (needs matplotlib).")
 def serve_cmd(base_url: str, model: str | None, endpoint: str, num_prompts: int,
-              input_len: int, output_len: int, ignore_eos: bool, request_rate: str,
+              input_len: int, output_len: int, ignore_eos: bool, temperature: float,
+              request_rate: str,
               max_concurrency: str | None, seed: int, tokenizer: str | None,
               vocab_high: int | None, api_key: str | None, timeout_s: float,
               json_path: str | None, plot_path: str | None) -> None:
@@ -418,7 +421,7 @@ def serve_cmd(base_url: str, model: str | None, endpoint: str, num_prompts: int,
             vocab_high = load_vocab_high(tokenizer) if tokenizer else DEFAULT_VOCAB_HIGH
         spec = PromptSpec(endpoint=endpoint, num_prompts=num_prompts, input_len=input_len,
                           output_len=output_len, ignore_eos=ignore_eos, seed=seed,
-                          vocab_high=vocab_high)
+                          vocab_high=vocab_high, temperature=temperature)
         spec.workload()  # validates the sizes before the server is contacted
         settings = ServeSettings(base_url=base_url, spec=spec, rates=tuple(rates),
                                  concurrencies=tuple(caps), model=model, api_key=api_key,

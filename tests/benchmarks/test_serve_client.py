@@ -201,6 +201,14 @@ def test_completion_payloads_carry_the_reference_ids():
         "stream": True, "stream_options": {"include_usage": True}, "prompt": None}
 
 
+def test_temperature_reaches_every_payload():
+    spec = PromptSpec("completions", num_prompts=2, input_len=3, output_len=2, temperature=0.7)
+    assert {p["temperature"] for p in build_payloads(spec, "tiny")} == {0.7}
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            PromptSpec("completions", 2, 3, 2, temperature=bad)
+
+
 def test_chat_payloads_are_text(llama_dir):
     spec = PromptSpec("chat", num_prompts=2, input_len=6, output_len=3)
     ids = spec.workload().prompt_token_ids()
