@@ -14,8 +14,10 @@ JSON cannot hold (objects other than dtypes, sets and tuples) and every method o
 config class are served by the real config, loaded on first such use (with the
 snapshot's own attribute changes replayed onto it). Only text configs are snapshotted
 (``get_text_config()`` is the config itself); vision-language and composite configs
-always load through transformers, as does any model the Transformers backend runs
-(``load_model_files`` asks for the real config then).
+always load through transformers, as does any model the Transformers backend runs or
+that ``--hf-overrides`` changes (``load_model_files`` asks for the real config then: a
+config class's properties recompute from what an override changes, a snapshot's values
+would not).
 """
 
 from __future__ import annotations

@@ -210,7 +210,9 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
     weight_files = _weight_files(path)
-    hf_config = load_hf_config(path)
+    # Overrides go onto transformers' own config: its properties (Falcon's head_dim,
+    # Jamba's layer types) recompute from what they change; a snapshot's would not.
+    hf_config = load_hf_config(path, snapshot=not hf_overrides)
     apply_hf_overrides(hf_config, hf_overrides)
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if not architectures:
@@ -222,7 +224,6 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
     if not native and isinstance(hf_config, ConfigSnapshot):
         # The Transformers backend builds transformers' own model from the config.
         hf_config = load_hf_config(path, snapshot=False)
-        apply_hf_overrides(hf_config, hf_overrides)
     model_cls, architecture, impl = resolve_model_class(architectures, registry, hf_config,
                                                         model_impl)
     return ModelFiles(

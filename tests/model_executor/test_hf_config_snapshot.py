@@ -221,3 +221,19 @@ def test_transformers_backend_gets_the_real_config(tiny_llama):
     files = load_model_files(path, model_impl="transformers")
     assert files.impl == "transformers"
     assert isinstance(files.hf_config, transformers.LlamaConfig)
+
+
+def test_overrides_go_onto_the_real_config(tiny_llama, tmp_path):
+    """--hf-overrides changes transformers' own config, whose properties recompute from
+    what it changes (Falcon's head_dim below); a snapshot's recorded values would not."""
+    _, path = tiny_llama
+    load_model_files(path)
+    files = load_model_files(path, hf_overrides={"rms_norm_eps": 1e-3})
+    assert isinstance(files.hf_config, transformers.LlamaConfig)
+    assert files.hf_config.rms_norm_eps == 1e-3
+    falcon = tmp_path / "falcon"
+    transformers.FalconConfig(hidden_size=64, num_attention_heads=4).save_pretrained(falcon)
+    load_hf_config(falcon)
+    snapshot, real = load_hf_config(falcon), load_hf_config(falcon, snapshot=False)
+    snapshot.hidden_size = real.hidden_size = 128
+    assert real.head_dim == 32 and snapshot.head_dim == 16  # why overrides skip snapshots

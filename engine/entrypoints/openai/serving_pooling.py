@@ -254,7 +254,8 @@ def _id2label(model_config: Any) -> dict[int, str]:
     """The class names of the model's HF config (``id2label``, with --hf-overrides)."""
     from engine.model_executor.model_loader import apply_hf_overrides, load_hf_config
 
-    config = load_hf_config(model_config.model)
-    apply_hf_overrides(config, model_config.hf_overrides)
+    overrides = model_config.hf_overrides
+    config = load_hf_config(model_config.model, snapshot=not overrides)
+    apply_hf_overrides(config, overrides)
     labels = getattr(config, "id2label", None) or {}
     return {int(index): str(label) for index, label in labels.items()}
