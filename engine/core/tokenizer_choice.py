@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 CHOICE_ENV = "ENGINE_TOKENIZER_CHOICES"  # "0": always AutoTokenizer
-# The files AutoTokenizer reads to choose and build a tokenizer from a local directory.
+# The files AutoTokenizer reads to choose and build a tokenizer from a local directory
+# (which of them exist decides between classes too: fast or sentencepiece, say).
 _KEY_FILES = (
     "config.json",
     "tokenizer_config.json",
@@ -37,6 +38,12 @@ _KEY_FILES = (
     "tokenizer.json",
     "chat_template.jinja",
     "chat_template.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
 )
 _PROBE = "Hello world! 123 <s> über 日本語 \n\t  end"
 

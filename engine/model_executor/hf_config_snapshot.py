@@ -131,6 +131,9 @@ class ConfigSnapshot:
         # stay absent; deferred values and the config class's methods come from the real one.
         if name.startswith(("__", "_snapshot_")):
             raise AttributeError(name)
+        target = self.__dict__["_snapshot_aliases"].get(name)
+        if target is not None and target in self.__dict__:  # attribute_map, as transformers
+            return self.__dict__[target]
         if name in self.__dict__["_snapshot_deferred"]:
             return getattr(self.real_config(), name)
         raise AttributeError(
