@@ -72,6 +72,8 @@ def _served_by(pid: int) -> float:
     """Requests this API server finished (its own multiprocess counter file)."""
     path = _metrics_dir(pid) / f"counter_{pid}.db"
     total = 0.0
+    if not path.exists():  # written on the server's first counted request
+        return total
     for key, value, *_ in MmapedDict.read_all_values_from_file(str(path)):
         if json.loads(key)[0] == "engine:request_success":
             total += value
@@ -124,8 +126,11 @@ def test_two_servers_share_port_and_metrics(servers, reference) -> None:
 def _stream_on(server: ServerProcess, pids: list[int], victim: int, control: httpx.Client):
     """Open long streams until one is served by ``victim``, pausing the core's scheduling
     (``control``, a client on the other server) right after its first token so that it
-    is certainly still in the core; (client, response, line iterator)."""
+    is still in the core; (client, response, line iterator). A stream whose 480 tokens
+    all ran before the pause landed (a loaded machine: the pause crosses the other
+    server) finishes on the victim: it is drained and another one opened."""
     for attempt in range(16):
+        finished_before = _served_by(victim)
         http = httpx.Client(base_url=server.url, timeout=60)
         body = {"model": SERVED_NAME, "prompt": f"Story {attempt} {time.monotonic_ns()}",
                 "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -135,7 +140,9 @@ def _stream_on(server: ServerProcess, pids: list[int], victim: int, control: htt
         assert next(lines).startswith("data:")
         assert control.post("/pause", params={"mode": "keep"}).status_code == 200
         if _owner(pids, _client_port(response)) == victim:
-            return http, response, lines
+            time.sleep(0.5)  # a request the core finished reaches the victim's counter
+            if _served_by(victim) == finished_before:
+                return http, response, lines
         assert control.post("/resume").status_code == 200
         for _ in lines:  # not on the victim: let it finish
             pass
