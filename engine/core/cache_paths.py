@@ -6,10 +6,11 @@ whole (a temporary file renamed into place), so a reader never sees half of one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def package_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "none"
+
+
+def entry_key(chunks: Iterable[bytes], fmt: int) -> str:
+    """An entry's file stem: a digest of ``chunks`` (what the entry was computed from),
+    the transformers version (whose classes the entries describe) and the entry format."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    digest.update(f"\0transformers={package_version('transformers')}\0format={fmt}".encode())
+    return digest.hexdigest()[:32]
 
 
 def read_entries(directories: list[Path], name: str) -> Iterator[str]:

@@ -14,15 +14,15 @@ more than its files is never taken this way.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.core.cache_paths import cache_dirs, package_version, read_entries, write_entry
+from engine.core.cache_paths import cache_dirs, entry_key, read_entries, write_entry
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,15 @@ def choices_enabled() -> bool:
 
 
 def choice_key(directory: Path) -> str:
-    digest = hashlib.sha256()
-    for name in _KEY_FILES:
-        file = directory / name
-        digest.update(f"\0{name}\0".encode())
-        if file.is_file():
-            digest.update(file.read_bytes())
-    version = package_version("transformers")
-    digest.update(f"\0transformers={version}\0format={FORMAT}".encode())
-    return digest.hexdigest()[:32]
+    """The key of ``directory``'s tokenizer files (names, whether present, bytes)."""
+    def chunks() -> Iterator[bytes]:
+        for name in _KEY_FILES:
+            file = directory / name
+            yield f"\0{name}\0".encode()
+            if file.is_file():
+                yield file.read_bytes()
+
+    return entry_key(chunks(), FORMAT)
 
 
 def _fingerprint(tokenizer: Any) -> Any:
@@ -88,10 +88,16 @@ class TokenizerChoices:
 
     def __init__(self, directories: list[Path] | None = None) -> None:
         self.directories = directories if directories is not None else cache_dirs("tokenizers")
+        self._keys: dict[Path, str] = {}  # one load looks up, then records: hash once
+
+    def _key(self, directory: Path) -> str:
+        if directory not in self._keys:
+            self._keys[directory] = choice_key(directory)
+        return self._keys[directory]
 
     def recorded_class(self, directory: Path) -> type | None:
         """The class recorded for ``directory``'s files, or None."""
-        for text in read_entries(self.directories, f"{choice_key(directory)}.json"):
+        for text in read_entries(self.directories, f"{self._key(directory)}.json"):
             try:
                 record = json.loads(text)
                 if record.get("format") != FORMAT:
@@ -114,7 +120,7 @@ class TokenizerChoices:
                 return False
             text = json.dumps({"format": FORMAT, "module": cls.__module__,
                                "qualname": cls.__qualname__})
-            key = choice_key(directory)
+            key = self._key(directory)
         except Exception as exc:  # noqa: BLE001 (any refusal: just no shortcut next time)
             logger.debug("tokenizer of %s: no recorded choice (%s)", directory, exc)
             return False

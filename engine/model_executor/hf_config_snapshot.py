@@ -23,7 +23,6 @@ would not).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.core.cache_paths import cache_dirs, package_version, read_entries, write_entry
+from engine.core.cache_paths import cache_dirs, entry_key, read_entries, write_entry
 
 logger = logging.getLogger(__name__)
 
@@ -214,10 +213,7 @@ class ConfigSnapshotStore:
 
     @staticmethod
     def key(config_bytes: bytes) -> str:
-        digest = hashlib.sha256(config_bytes)
-        version = package_version("transformers")
-        digest.update(f"\0transformers={version}\0format={FORMAT}".encode())
-        return digest.hexdigest()[:32]
+        return entry_key([config_bytes], FORMAT)
 
     def load(self, path: Path, load_real: Callable[[Path], Any]) -> ConfigSnapshot | None:
         """The snapshot of ``path/config.json``, or None when none is stored (or it is

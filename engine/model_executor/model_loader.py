@@ -218,10 +218,10 @@ def load_model_files(path: str | Path, registry: ModelRegistry = MODEL_REGISTRY,
     if not architectures:
         raise ValueError(f"{path / 'config.json'} names no 'architectures'")
     from engine.model_executor.models.transformers_backend import resolve_model_class
+    from engine.model_executor.models.transformers_backend.support import native_architecture
 
-    native = model_impl == "engine" or (
-        model_impl == "auto" and any(a in registry for a in architectures))
-    if not native and isinstance(hf_config, ConfigSnapshot):
+    if (isinstance(hf_config, ConfigSnapshot)
+            and native_architecture(architectures, registry, model_impl) is None):
         # The Transformers backend builds transformers' own model from the config.
         hf_config = load_hf_config(path, snapshot=False)
     model_cls, architecture, impl = resolve_model_class(architectures, registry, hf_config,

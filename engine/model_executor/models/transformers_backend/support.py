@@ -97,13 +97,24 @@ def check_backend_supports(hf_config: Any) -> None:
         raise ValueError(why)
 
 
+def native_architecture(architectures: list[str], registry: Any,
+                        model_impl: str = "auto") -> str | None:
+    """The architecture a registered (engine) class runs, or None when the Transformers
+    backend does: ``model_impl`` ``engine`` always the former, ``transformers`` always the
+    latter, ``auto`` the first registered one (the backend when none is)."""
+    check_model_impl(model_impl)
+    native = next((a for a in architectures if a in registry), None)
+    if model_impl == "engine":
+        return native or architectures[0]
+    return native if model_impl == "auto" else None
+
+
 def resolve_model_class(architectures: list[str], registry: Any, hf_config: Any,
                         model_impl: str = "auto") -> tuple[type, str, str]:
     """``(model class, architecture, impl)`` with impl ``"engine"`` or ``"transformers"``."""
-    check_model_impl(model_impl)
-    native = next((a for a in architectures if a in registry), None)
-    if model_impl == "engine" or (model_impl == "auto" and native is not None):
-        return registry.resolve(architectures), native or architectures[0], "engine"
+    native = native_architecture(architectures, registry, model_impl)
+    if native is not None:
+        return registry.resolve(architectures), native, "engine"
     why = unsupported_reason(hf_config)
     if why is not None:
         if model_impl == "auto":
