@@ -16,8 +16,9 @@ has a micro-batch to work on.
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,6 +45,69 @@ class StepFuture:
         if self._value is None:
             self._value = self._wait()
         return self._value
+
+
+class StepThread:
+    """The worker's own thread under async scheduling: calls run on it in the order sent.
+
+    A step's output is handed over when the step sent after it starts its forward, not
+    when the step ends. Both threads run Python under one interpreter lock: handed over
+    at the end, the caller's update, output processing and next scheduling would contend
+    for the lock with the next step's input preparation (which then took 3x as long); an
+    output handed over as the forward starts lets the caller's Python run while the
+    forward computes with the lock released. Without a next step sent, it is handed over
+    at once."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._lock = threading.Lock()
+        self._steps_waiting = 0  # sent, not started
+        self._held: tuple[Future, ModelRunnerOutput] | None = None
+
+    def submit_step(self, worker: Worker, scheduler_output: SchedulerOutput,
+                    grammar_bitmask: torch.Tensor | None) -> Future:
+        done: Future = Future()
+        with self._lock:
+            self._steps_waiting += 1
+        self._pool.submit(self._run_step, worker, scheduler_output, grammar_bitmask, done)
+        return done
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the thread, after the steps sent before it."""
+        return self._pool.submit(self._run_call, fn, args).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run_call(self, fn: Any, args: tuple) -> Any:
+        self._hand_over()
+        return fn(*args)
+
+    def _run_step(self, worker: Worker, scheduler_output: SchedulerOutput,
+                  grammar_bitmask: torch.Tensor | None, done: Future) -> None:
+        with self._lock:
+            self._steps_waiting -= 1
+        runner = worker.runner
+        runner.on_forward_start = self._hand_over
+        try:
+            output = worker.execute_model(scheduler_output, grammar_bitmask)
+        except BaseException as exc:  # noqa: BLE001 - the caller's result() raises it
+            self._hand_over()
+            done.set_exception(exc)
+            return
+        finally:
+            runner.on_forward_start = None
+        self._hand_over()  # the step ran no forward
+        with self._lock:
+            if self._steps_waiting:  # the next step hands this one over
+                self._held = (done, output)
+                return
+        done.set_result(output)
+
+    def _hand_over(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].set_result(held[1])
 
 
 class Executor(ABC):
@@ -208,9 +272,8 @@ class UniProcExecutor(Executor):
         # Async scheduling: the worker lives on its own thread (built, loaded and called
         # there only: a platform's per-thread setup, e.g. the CPU's OpenMP team and its
         # pinning, then serves every step), so the caller schedules while a step runs.
-        self._step_thread: ThreadPoolExecutor | None = (
-            ThreadPoolExecutor(1, thread_name_prefix="engine-step")
-            if config.scheduler.async_scheduling else None)
+        self._step_thread: StepThread | None = (
+            StepThread() if config.scheduler.async_scheduling else None)
         if config.parallel.data_parallel_size > 1:
             # One replica of several on this machine: its own device / share of the CPUs
             # (on the thread that runs the model: device selection is per thread).
@@ -250,15 +313,14 @@ class UniProcExecutor(Executor):
         if self._step_thread is None:
             output = self.worker.execute_model(scheduler_output, grammar_bitmask)
             return StepFuture(lambda: output) if non_block else output
-        future = self._step_thread.submit(self.worker.execute_model, scheduler_output,
-                                          grammar_bitmask)
+        future = self._step_thread.submit_step(self.worker, scheduler_output, grammar_bitmask)
         return StepFuture(future.result) if non_block else future.result()
 
     def _on_worker_thread(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` where the worker runs (after the steps sent before it)."""
         if self._step_thread is None:
             return fn(*args)
-        return self._step_thread.submit(fn, *args).result()
+        return self._step_thread.call(fn, *args)
 
     def runtime_info(self) -> dict[str, Any]:
         return self._on_worker_thread(self.worker.runtime_info)
@@ -268,7 +330,7 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         if self._step_thread is not None:
-            self._step_thread.shutdown(wait=True)
+            self._step_thread.shutdown()
             self._step_thread = None
         self.worker.shutdown()
 

@@ -215,6 +215,9 @@ class ModelRunner:
         self._has_moe = any(isinstance(m, FusedMoE) for m in model.modules())
         self._layer_hooks = (kv_connector if kv_connector is not None
                              and kv_connector.uses_layer_hooks else None)
+        # Called as a step's forward starts, once its inputs are built (async scheduling:
+        # the executor hands the previous step's output over there, see executor.py).
+        self.on_forward_start: Callable[[], None] | None = None
         # Vision-language models: encoder runs, the encoder cache, image rows merged
         # into the step's embeddings, M-RoPE positions (None: a text model).
         self.mm = None
@@ -409,6 +412,8 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         if self.mm is not None and so.scheduled_encoder_inputs:
             self.mm.encode(so.scheduled_encoder_inputs)
+        if self.on_forward_start is not None:
+            self.on_forward_start()
         hidden = self._forward(inputs)
         if not self.samples:  # an earlier pipeline stage: its activations went on
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -3,9 +3,18 @@ over and never preempted; non-sampling ranks get the accepted tokens in the diff
 
 from __future__ import annotations
 
+from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.request import RequestStatus
 from engine.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from tests.core.test_scheduler import TOKEN, add, assert_all_free, make_request, make_scheduler
+from engine.core.scheduler.scheduler import Scheduler
+from tests.core.test_scheduler import (
+    BS,
+    TOKEN,
+    add,
+    assert_all_free,
+    make_request,
+    make_scheduler,
+)
 
 
 def _land(s, so: SchedulerOutput, token: int = TOKEN):
@@ -77,3 +86,22 @@ def test_abort_of_an_in_flight_request_frees_it_once_its_step_lands():
     assert _land(s, so) == []  # its late output is dropped
     assert not s.in_flight
     assert_all_free(s)
+
+
+def test_async_step_ahead_sends_no_drafts_for_the_token_in_flight():
+    """Async scheduling: the step scheduled while the previous one runs computes the
+    token that step samples; it is not a draft, so the step is a plain decode step
+    (no entry in scheduled_spec_decode_tokens, which would send it down the
+    verification path)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                  async_scheduling=True),
+                  CacheConfig(block_size=BS), 64)
+    add(s, make_request("a", 5, max_tokens=6))
+    first = s.schedule()
+    ahead = s.schedule()  # a's prompt is in flight; its next token runs one step ahead
+    assert ahead.num_scheduled_tokens == {"a": 1}
+    assert ahead.scheduled_spec_decode_tokens == {}
+    assert s.get_request("a").num_output_placeholders == 2
+    _land(s, first)
+    _land(s, ahead)
+    assert s.get_request("a").output_token_ids == [TOKEN, TOKEN]

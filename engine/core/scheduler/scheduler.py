@@ -586,7 +586,10 @@ class Scheduler:
             self._prompt_tokens_computed += max(0, min(r.num_computed_tokens + num_new,
                                                        r.num_prompt_tokens)
                                                 - min(r.num_computed_tokens, r.num_prompt_tokens))
-            num_spec = r.num_computed_tokens + num_new - r.num_tokens
+            # Tokens past the known ones: drafts to verify, apart from the token a step
+            # still in flight samples (async scheduling), which the executor fills in.
+            num_spec = (r.num_computed_tokens + num_new - r.num_tokens
+                        - r.num_output_placeholders)
             if num_spec > 0:
                 del r.spec_token_ids[num_spec:]
                 spec_tokens[r.request_id] = list(r.spec_token_ids)

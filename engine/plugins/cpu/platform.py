@@ -367,11 +367,22 @@ class CPUPlatform(Platform):
         if config.model.batch_invariant and load_kernels() is None:
             raise ValueError("batch-invariant mode on the CPU needs the plugin's C kernels, "
                              "which could not be built or are disabled here (the log says why)")
-        if config.scheduler.async_scheduling:
-            logger.warning("async scheduling on the CPU: the host's scheduling runs beside "
-                           "the model's compute threads on the same cores and the Python "
-                           "of both shares one interpreter lock (measured slower than the "
-                           "serial loop on 2 cores: README, async scheduling)")
+        if config.scheduler.async_scheduling and self._every_core_computes(config):
+            logger.warning("async scheduling on the CPU pays only where the compute "
+                           "threads leave the host thread a core (--num-threads below the "
+                           "core count); where every core computes, the host's Python "
+                           "stalls a compute thread mid-step (measured at best even with the "
+                           "serial loop on 2 cores, slower when served: README, async "
+                           "scheduling)")
+
+    @staticmethod
+    def _every_core_computes(config) -> bool:
+        """Whether the worker's threads take every core this process may use (none left
+        for the host thread of async scheduling)."""
+        from engine.plugins.cpu.threads import plan_threads
+
+        cores = plan_threads(None).num_threads
+        return (config.device.num_threads or cores) >= cores
 
     def dense_gemm_kernels(self) -> list[type[DenseGemmKernel]]:
         from engine.plugins.cpu.gemm import gemm_preference

@@ -298,3 +298,20 @@ def test_decode_key_splits_follow_the_plan_not_the_governors_count(kernels):
     finally:
         kernels.set_split_threads(0)
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads, warned", [(None, True), (4, True), (3, False)])
+def test_async_scheduling_warns_only_when_every_core_computes(monkeypatch, caplog, num_threads,
+                                                              warned):
+    """Async scheduling's host thread needs a core of its own to pay on the CPU
+    (README, async scheduling): the platform warns when the threads take every core."""
+    monkeypatch.delenv(threads.BIND_ENV, raising=False)
+    monkeypatch.setattr(threads, "cpu_quota", lambda: None)
+    _fake_topology(monkeypatch, {0, 1, 2, 3}, None)
+    from engine.core.engine_args import EngineArgs
+
+    config = EngineArgs(model=None, device="cpu", async_scheduling=True,
+                        num_threads=num_threads).create_engine_config()
+    with caplog.at_level("WARNING", "engine.plugins.cpu.platform"):
+        CPUPlatform().check_and_update_config(config)
+    assert ("async scheduling on the CPU" in caplog.text) is warned
