@@ -87,8 +87,9 @@ class StepThread:
                   grammar_bitmask: torch.Tensor | None, done: Future) -> None:
         with self._lock:
             self._steps_waiting -= 1
-        runner = worker.runner
-        runner.on_forward_start = self._hand_over
+        runner = worker.runner  # None only while the worker sleeps (level 2)
+        if runner is not None:
+            runner.on_forward_start = self._hand_over
         try:
             output = worker.execute_model(scheduler_output, grammar_bitmask)
         except BaseException as exc:  # noqa: BLE001 - the caller's result() raises it
@@ -96,7 +97,8 @@ class StepThread:
             done.set_exception(exc)
             return
         finally:
-            runner.on_forward_start = None
+            if runner is not None:
+                runner.on_forward_start = None
         self._hand_over()  # the step ran no forward
         with self._lock:
             if self._steps_waiting:  # the next step hands this one over
