@@ -47,9 +47,20 @@ def test_drafting_that_loses_goes_off_and_is_retried_less_and_less():
     assert second_half < first_half  # exploration backs off
 
 
-def test_a_near_tie_keeps_drafting():
+@pytest.mark.parametrize("draft_rate", [100, 103])  # a tie, drafting ahead within the margin
+def test_drafting_must_win_the_first_comparison_by_the_margin(draft_rate):
+    """Speculation that does not clearly pay must not cost: a tie goes to plain steps."""
     governor = SpeculationGovernor(4, settings=SETTINGS)
-    _run(governor, 100, batch=1, draft_rate=100, plain_rate=103)  # within the margin
+    _run(governor, 100, batch=1, draft_rate=draft_rate, plain_rate=100)
+    assert governor.chosen_mode(1) is Mode.PLAIN
+
+
+def test_a_near_tie_keeps_the_incumbent():
+    """Once drafting won, a later near tie does not flip it (hysteresis both ways)."""
+    governor = SpeculationGovernor(4, settings=SETTINGS)
+    _run(governor, 40, batch=1, draft_rate=200, plain_rate=100)
+    assert governor.chosen_mode(1) is Mode.DRAFT
+    _run(governor, 200, batch=1, draft_rate=100, plain_rate=103)  # within the margin
     assert governor.chosen_mode(1) is Mode.DRAFT
 
 

@@ -12,8 +12,9 @@ The governor keeps, per batch-size bucket (1, 2-3, 4-7, ...), the decode tokens 
 request gains per second in each mode (an exponential average over decode-only steps;
 the first step after a switch is skipped: it still verifies or lacks the previous
 mode's drafts). It starts drafting, and once it has measured both modes it keeps the
-faster one (by a margin, so noise does not flip it) and tries the other again now and
-then: after ``explore_every`` steps, twice as long each time the choice held, up to
+faster one (by a margin, so noise does not flip it; the first comparison has no
+incumbent, and drafting must win it by the margin: a tie is no reason to pay for a
+proposer) and tries the other again now and then: after ``explore_every`` steps, twice as long each time the choice held, up to
 ``max_explore_every``. A decision is a step's draft budget: the proposer's K, or 0
 (model proposers then still run their first pass, so their KV cache stays complete).
 
@@ -136,9 +137,12 @@ class SpeculationGovernor:
             self._switch(bucket, bucket.mode.other, explored=True)
 
     def _choose(self, bucket: _Bucket) -> None:
-        """Keep the faster mode: the incumbent unless the other is faster by the margin."""
+        """Keep the faster mode: the incumbent unless the other is faster by the margin.
+        The first comparison has no incumbent: drafting must then beat the plain steps by
+        the margin (a tie is no reason to pay for a proposer, and speculation that does
+        not clearly pay must not cost)."""
         rates = bucket.rates
-        incumbent = bucket.choice or Mode.DRAFT
+        incumbent = bucket.choice or Mode.PLAIN
         challenger = incumbent.other
         faster = rates[challenger].value > rates[incumbent].value * (1 + self.settings.margin)
         choice = challenger if faster else incumbent
