@@ -371,8 +371,8 @@ static inline __attribute__((always_inline)) void plain_block(
             /* several rows of x (verification rows, a tied LM head): the rows of the
              * block four blocks on are fetched at this block's pace; short rows never
              * let the hardware prefetchers ramp up (M = 4 on a 384-wide bf16 table ran
-             * at half the packed kernel's speed without it) */
-            if (R > 1 && (i & (64 / (int64_t)sizeof(float) - 1)) == 0)
+             * at half the packed kernel's speed without it); once per cache line */
+            if (R > 1 && ((i * dtype_size(wdt)) & 63) == 0)
                 stream_prefetch((const char *)w + (at + 4 * WR * ldw) * dtype_size(wdt));
             wv[v] = vf_load_as(w, at, wdt);
         }
