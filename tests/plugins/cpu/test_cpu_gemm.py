@@ -83,13 +83,14 @@ ROWS = (0, 1, 2, 3, 5, 6, 7, 13, 48, 53, 100)
 
 @pytest.mark.parametrize(("act", "wdt"), DTYPE_PAIRS, ids=_PAIR_IDS)
 @pytest.mark.parametrize(("out_features", "in_features"),
-                         [(16, 2), (96, 80), (208, 130), (64, 600), (48, 256)])
+                         [(16, 2), (96, 80), (208, 130), (64, 600), (48, 256), (32, 67)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_matches_float64(kernels, act, wdt, out_features, in_features, with_bias):
     """Every register block height (decode sizes 1-6 streamed, larger M in chunks of
     rows), full and narrow panels (16 = one narrow panel; 208 = 3 x 64 + 16 on AVX-512),
     one and several K blocks (600 k); on the amx level, K = 256 from 32 rows on runs the
-    tiles."""
+    tiles; K not a multiple of the decode loops' unrolling (2: pairs, 130: four k a pass
+    and a pair left, 67: a single k left)."""
     gemm = CPUPackedGemm(kernels)
     spec = DenseLayerSpec(in_features, out_features, wdt, CPU, activation_dtype=act)
     assert CPUPackedGemm.can_implement(spec) is None

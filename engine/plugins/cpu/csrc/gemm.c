@@ -90,6 +90,98 @@ static inline int64_t panel_width(int64_t p, int64_t n) {
     return left < PANEL ? left : PANEL;
 }
 
+#if defined(__SSE2__) && !defined(__AVX__) && VF == 4
+#define SSE2_BF16_SPLIT 1
+/*
+ * The SSE2 level's bf16 panel loop (8 columns: 16 bytes per k). One load takes the 8
+ * weights of a k; shifted up, its even lanes are columns 0, 2, 4, 6 as float32, masked,
+ * its odd lanes columns 1, 3, 5, 7: a shift and a mask where widening each half took a
+ * load, a shuffle and a register copy. The sums run in that column order (acc is
+ * permuted in and back out once); each column keeps the generic loop's order of
+ * additions (one chain, or two with `dual`), so batch-invariant results do not change.
+ * Hot in L2, one thread: 15-20% faster than the generic loop at one row, 3-8% at 2-4.
+ */
+static inline __attribute__((always_inline)) void sse2_bf16_panel(
+    const int R, const float *x, int64_t ldx, const uint16_t *w, int64_t kc, const int dual,
+    vf acc[][GEMM_VECS])
+{
+    const __m128i high = _mm_set1_epi32((int)0xffff0000u);
+    __m128 even[GEMM_ROWS], odd[GEMM_ROWS], even2[GEMM_ROWS], odd2[GEMM_ROWS];
+    for (int r = 0; r < R; r++) {
+        even[r] = _mm_shuffle_ps((__m128)acc[r][0], (__m128)acc[r][1], _MM_SHUFFLE(2, 0, 2, 0));
+        odd[r] = _mm_shuffle_ps((__m128)acc[r][0], (__m128)acc[r][1], _MM_SHUFFLE(3, 1, 3, 1));
+        even2[r] = odd2[r] = _mm_setzero_ps();
+    }
+    int64_t k = 0;
+    if (dual && R == 1) /* four k a pass: x[k .. k + 3] one load, broadcast lane by lane
+                           (with two rows, its eight weight vectors would not fit) */
+        for (; k + 4 <= kc; k += 4) {
+            stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
+            __m128 e[4], o[4];
+            for (int i = 0; i < 4; i++) {
+                const __m128i wi = _mm_loadu_si128((const __m128i *)(w + 8 * (k + i)));
+                e[i] = _mm_castsi128_ps(_mm_slli_epi32(wi, 16));
+                o[i] = _mm_castsi128_ps(_mm_and_si128(wi, high));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m128i xs = _mm_castps_si128(_mm_loadu_ps(x + r * ldx + k));
+                const __m128 x0 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0x00));
+                const __m128 x1 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0x55));
+                const __m128 x2 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0xaa));
+                const __m128 x3 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0xff));
+                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x0, e[0]));
+                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x0, o[0]));
+                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x1, e[1]));
+                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x1, o[1]));
+                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x2, e[2]));
+                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x2, o[2]));
+                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x3, e[3]));
+                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x3, o[3]));
+            }
+        }
+    if (dual)
+        for (; k + 2 <= kc; k += 2) {
+            if ((k & 3) == 0) /* once per 64-byte line */
+                stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
+            const __m128i w0 = _mm_loadu_si128((const __m128i *)(w + 8 * k));
+            const __m128i w1 = _mm_loadu_si128((const __m128i *)(w + 8 * k + 8));
+            const __m128 e0 = _mm_castsi128_ps(_mm_slli_epi32(w0, 16));
+            const __m128 o0 = _mm_castsi128_ps(_mm_and_si128(w0, high));
+            const __m128 e1 = _mm_castsi128_ps(_mm_slli_epi32(w1, 16));
+            const __m128 o1 = _mm_castsi128_ps(_mm_and_si128(w1, high));
+            for (int r = 0; r < R; r++) {
+                const __m128 x0 = _mm_set1_ps(x[r * ldx + k]), x1 = _mm_set1_ps(x[r * ldx + k + 1]);
+                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x0, e0));
+                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x0, o0));
+                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x1, e1));
+                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x1, o1));
+            }
+        }
+    for (; k < kc; k++) {
+        if ((k & 3) == 0)
+            stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
+        const __m128i wk = _mm_loadu_si128((const __m128i *)(w + 8 * k));
+        const __m128 e = _mm_castsi128_ps(_mm_slli_epi32(wk, 16));
+        const __m128 o = _mm_castsi128_ps(_mm_and_si128(wk, high));
+        for (int r = 0; r < R; r++) {
+            const __m128 xv = _mm_set1_ps(x[r * ldx + k]);
+            even[r] = _mm_add_ps(even[r], _mm_mul_ps(xv, e));
+            odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(xv, o));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (dual) {
+            even[r] = _mm_add_ps(even[r], even2[r]);
+            odd[r] = _mm_add_ps(odd[r], odd2[r]);
+        }
+        acc[r][0] = (vf)_mm_unpacklo_ps(even[r], odd[r]);
+        acc[r][1] = (vf)_mm_unpackhi_ps(even[r], odd[r]);
+    }
+}
+#else
+#define SSE2_BF16_SPLIT 0
+#endif
+
 /*
  * One register block: acc = (first ? bias : tile) + x[0..R) . w over kc values of k;
  * then (last ? out rounded to odt : tile). w: the panel from its first k, wk elements
@@ -115,6 +207,12 @@ static inline __attribute__((always_inline)) void gemm_block(
     const char *wbytes = (const char *)w;
     const int64_t wsize = dtype_size(wdt), row_bytes = wk * wsize;
     int64_t k = 0;
+#if SSE2_BF16_SPLIT
+    if (wdt == DTYPE_BF16 && J == 2 && wk == 8) {
+        sse2_bf16_panel(R, x, ldx, (const uint16_t *)w, kc, dual, acc);
+        k = kc;
+    }
+#endif
     if (dual) {
         for (; k + 2 <= kc; k += 2) {
             const char *w0 = wbytes + k * row_bytes;
@@ -200,21 +298,37 @@ static inline __attribute__((always_inline)) void gemm_block(
         }                                                                                  \
     } while (0)
 
+/* The decode schedule's block for one weight dtype: every row of x against one panel
+ * streamed from memory. One function per dtype: inlined into a single function, GCC's
+ * register allocation kept an accumulator of the SSE2 build's bf16 loop on the stack (a
+ * store-forwarding chain per k: a third of the loop's possible speed). */
+#define STREAMED_PANEL_FOR(NAME, WDT)                                                      \
+    static __attribute__((noinline)) void NAME(int rows, const float *x, int64_t ldx,      \
+                                               const void *w, int64_t width, int64_t kc,   \
+                                               const void *bias, int64_t col0, void *out,  \
+                                               int64_t ldo, int odt)                       \
+    {                                                                                      \
+        const int64_t wk = width;                                                          \
+        float *const tile0 = NULL, *const tile = NULL;                                     \
+        const int64_t ldt = 0;                                                             \
+        const int first = 1, last = 1;                                                     \
+        const int64_t col = col0;                                                          \
+        PANEL_BLOCKS(WDT, 1);                                                              \
+    }
+STREAMED_PANEL_FOR(streamed_panel_bf16, DTYPE_BF16)
+STREAMED_PANEL_FOR(streamed_panel_f16, DTYPE_F16)
+STREAMED_PANEL_FOR(streamed_panel_f32, DTYPE_F32)
+
 /* The decode schedule's block: every row of x against one panel streamed from memory,
  * in its storage dtype. */
 static void streamed_panel(int rows, const float *x, int64_t ldx, const void *w, int64_t width,
                            int wdt, int64_t kc, const void *bias, int64_t col0, void *out,
                            int64_t ldo, int odt)
 {
-    const int64_t wk = width;
-    float *const tile0 = NULL, *const tile = NULL;
-    const int64_t ldt = 0;
-    const int first = 1, last = 1;
-    const int64_t col = col0;
     switch (wdt) {
-    case DTYPE_BF16: PANEL_BLOCKS(DTYPE_BF16, 1); break;
-    case DTYPE_F16: PANEL_BLOCKS(DTYPE_F16, 1); break;
-    default: PANEL_BLOCKS(DTYPE_F32, 1); break;
+    case DTYPE_BF16: streamed_panel_bf16(rows, x, ldx, w, width, kc, bias, col0, out, ldo, odt); break;
+    case DTYPE_F16: streamed_panel_f16(rows, x, ldx, w, width, kc, bias, col0, out, ldo, odt); break;
+    default: streamed_panel_f32(rows, x, ldx, w, width, kc, bias, col0, out, ldo, odt); break;
     }
 }
 
