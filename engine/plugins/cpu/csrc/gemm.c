@@ -90,97 +90,155 @@ static inline int64_t panel_width(int64_t p, int64_t n) {
     return left < PANEL ? left : PANEL;
 }
 
-#if defined(__SSE2__) && !defined(__AVX__) && VF == 4
-#define SSE2_BF16_SPLIT 1
-/*
- * The SSE2 level's bf16 panel loop (8 columns: 16 bytes per k). One load takes the 8
- * weights of a k; shifted up, its even lanes are columns 0, 2, 4, 6 as float32, masked,
- * its odd lanes columns 1, 3, 5, 7: a shift and a mask where widening each half took a
- * load, a shuffle and a register copy. The sums run in that column order (acc is
- * permuted in and back out once); each column keeps the generic loop's order of
- * additions (one chain, or two with `dual`), so batch-invariant results do not change.
- * Hot in L2, one thread: 15-20% faster than the generic loop at one row, 3-8% at 2-4.
- */
-static inline __attribute__((always_inline)) void sse2_bf16_panel(
-    const int R, const float *x, int64_t ldx, const uint16_t *w, int64_t kc, const int dual,
-    vf acc[][GEMM_VECS])
+/* acc[r][2p], acc[r][2p + 1] (columns 0 .. 2VF of a pair of vectors) <-> the same sums
+ * with the pair's even columns in the first vector, its odd columns in the second */
+static inline __attribute__((always_inline)) void split_columns(vf *first, vf *second)
 {
-    const __m128i high = _mm_set1_epi32((int)0xffff0000u);
-    __m128 even[GEMM_ROWS], odd[GEMM_ROWS], even2[GEMM_ROWS], odd2[GEMM_ROWS];
-    for (int r = 0; r < R; r++) {
-        even[r] = _mm_shuffle_ps((__m128)acc[r][0], (__m128)acc[r][1], _MM_SHUFFLE(2, 0, 2, 0));
-        odd[r] = _mm_shuffle_ps((__m128)acc[r][0], (__m128)acc[r][1], _MM_SHUFFLE(3, 1, 3, 1));
-        even2[r] = odd2[r] = _mm_setzero_ps();
+    float a[2 * VF], e[VF], o[VF];
+    vf_store(a, *first);
+    vf_store(a + VF, *second);
+    for (int i = 0; i < VF; i++) {
+        e[i] = a[2 * i];
+        o[i] = a[2 * i + 1];
     }
-    int64_t k = 0;
-    if (dual && R == 1) /* four k a pass: x[k .. k + 3] one load, broadcast lane by lane
-                           (with two rows, its eight weight vectors would not fit) */
-        for (; k + 4 <= kc; k += 4) {
-            stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
-            __m128 e[4], o[4];
-            for (int i = 0; i < 4; i++) {
-                const __m128i wi = _mm_loadu_si128((const __m128i *)(w + 8 * (k + i)));
-                e[i] = _mm_castsi128_ps(_mm_slli_epi32(wi, 16));
-                o[i] = _mm_castsi128_ps(_mm_and_si128(wi, high));
-            }
-            for (int r = 0; r < R; r++) {
-                const __m128i xs = _mm_castps_si128(_mm_loadu_ps(x + r * ldx + k));
-                const __m128 x0 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0x00));
-                const __m128 x1 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0x55));
-                const __m128 x2 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0xaa));
-                const __m128 x3 = _mm_castsi128_ps(_mm_shuffle_epi32(xs, 0xff));
-                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x0, e[0]));
-                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x0, o[0]));
-                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x1, e[1]));
-                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x1, o[1]));
-                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x2, e[2]));
-                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x2, o[2]));
-                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x3, e[3]));
-                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x3, o[3]));
-            }
-        }
-    if (dual)
-        for (; k + 2 <= kc; k += 2) {
-            if ((k & 3) == 0) /* once per 64-byte line */
-                stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
-            const __m128i w0 = _mm_loadu_si128((const __m128i *)(w + 8 * k));
-            const __m128i w1 = _mm_loadu_si128((const __m128i *)(w + 8 * k + 8));
-            const __m128 e0 = _mm_castsi128_ps(_mm_slli_epi32(w0, 16));
-            const __m128 o0 = _mm_castsi128_ps(_mm_and_si128(w0, high));
-            const __m128 e1 = _mm_castsi128_ps(_mm_slli_epi32(w1, 16));
-            const __m128 o1 = _mm_castsi128_ps(_mm_and_si128(w1, high));
-            for (int r = 0; r < R; r++) {
-                const __m128 x0 = _mm_set1_ps(x[r * ldx + k]), x1 = _mm_set1_ps(x[r * ldx + k + 1]);
-                even[r] = _mm_add_ps(even[r], _mm_mul_ps(x0, e0));
-                odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(x0, o0));
-                even2[r] = _mm_add_ps(even2[r], _mm_mul_ps(x1, e1));
-                odd2[r] = _mm_add_ps(odd2[r], _mm_mul_ps(x1, o1));
-            }
-        }
-    for (; k < kc; k++) {
-        if ((k & 3) == 0)
-            stream_prefetch((const char *)(w + 8 * k) + PREFETCH_AHEAD);
-        const __m128i wk = _mm_loadu_si128((const __m128i *)(w + 8 * k));
-        const __m128 e = _mm_castsi128_ps(_mm_slli_epi32(wk, 16));
-        const __m128 o = _mm_castsi128_ps(_mm_and_si128(wk, high));
-        for (int r = 0; r < R; r++) {
-            const __m128 xv = _mm_set1_ps(x[r * ldx + k]);
-            even[r] = _mm_add_ps(even[r], _mm_mul_ps(xv, e));
-            odd[r] = _mm_add_ps(odd[r], _mm_mul_ps(xv, o));
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        if (dual) {
-            even[r] = _mm_add_ps(even[r], even2[r]);
-            odd[r] = _mm_add_ps(odd[r], odd2[r]);
-        }
-        acc[r][0] = (vf)_mm_unpacklo_ps(even[r], odd[r]);
-        acc[r][1] = (vf)_mm_unpackhi_ps(even[r], odd[r]);
-    }
+    *first = vf_load(e);
+    *second = vf_load(o);
 }
+
+static inline __attribute__((always_inline)) void merge_columns(vf *even, vf *odd)
+{
+    float a[2 * VF], e[VF], o[VF];
+    vf_store(e, *even);
+    vf_store(o, *odd);
+    for (int i = 0; i < VF; i++) {
+        a[2 * i] = e[i];
+        a[2 * i + 1] = o[i];
+    }
+    *even = vf_load(a);
+    *odd = vf_load(a + VF);
+}
+
+/* SSE2 has no broadcast from memory (each value took a movss and a shufps): with one row
+ * and four chains, x[k .. k + 3] is one load and a pshufd each */
+#if defined(__SSE2__) && !defined(__AVX__) && VF == 4
+#define BROADCAST_BY_SHUFFLE 1
 #else
-#define SSE2_BF16_SPLIT 0
+#define BROADCAST_BY_SHUFFLE 0
 #endif
+
+/*
+ * The chains of bf16_split_panel: CH chains over k (k mod CH), each pair of vectors of
+ * columns in even / odd order. acc is chain 0; the others start at zero and are added to
+ * it at the end.
+ */
+static inline __attribute__((always_inline)) void bf16_split_chains(
+    const int R, const int J, const int CH, const float *x, int64_t ldx, const uint16_t *w,
+    int64_t wk, int64_t kc, vf acc[][GEMM_VECS])
+{
+    const vu high = (vu){0} + 0xffff0000u;
+    vf extra[3][GEMM_ROWS][GEMM_VECS]; /* chains 1 .. CH - 1 */
+#pragma GCC unroll 3
+    for (int c = 0; c < CH - 1; c++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < J; j++)
+                extra[c][r][j] = vf_splat(0.0f);
+    int64_t k = 0;
+    for (; k + CH <= kc; k += CH) {
+        const uint16_t *wk0 = w + k * wk;
+        if (CH * wk >= 32 || ((k * wk) & 31) == 0) /* once per 64-byte line */
+#pragma GCC unroll 4
+            for (int64_t off = 0; off < CH * wk * 2; off += 64)
+                stream_prefetch((const char *)wk0 + PREFETCH_AHEAD + off);
+#if BROADCAST_BY_SHUFFLE
+        vf xs[4];
+        if (R == 1 && CH == 4) {
+            const __m128i four = _mm_castps_si128(_mm_loadu_ps(x + k));
+            xs[0] = (vf)_mm_shuffle_epi32(four, 0x00);
+            xs[1] = (vf)_mm_shuffle_epi32(four, 0x55);
+            xs[2] = (vf)_mm_shuffle_epi32(four, 0xaa);
+            xs[3] = (vf)_mm_shuffle_epi32(four, 0xff);
+        }
+#endif
+#pragma GCC unroll 4
+        for (int c = 0; c < CH; c++)
+#pragma GCC unroll 2
+            for (int j = 0; j < J; j += 2) {
+                vu u;
+                memcpy(&u, wk0 + c * wk + j * VF, sizeof u);
+                const vf even = vf_from_bits(u << 16), odd = vf_from_bits(u & high);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    vf *sum = c == 0 ? acc[r] : extra[c > 0 ? c - 1 : 0][r];
+#if BROADCAST_BY_SHUFFLE
+                    if (R == 1 && CH == 4) {
+                        sum[j] += xs[c] * even;
+                        sum[j + 1] += xs[c] * odd;
+                        continue;
+                    }
+#endif
+                    const float xv = x[r * ldx + k + c];
+                    sum[j] += xv * even;
+                    sum[j + 1] += xv * odd;
+                }
+            }
+    }
+    for (; k < kc; k++) /* what the chains leave, on the first */
+#pragma GCC unroll 2
+        for (int j = 0; j < J; j += 2) {
+            vu u;
+            memcpy(&u, w + k * wk + j * VF, sizeof u);
+            const vf even = vf_from_bits(u << 16), odd = vf_from_bits(u & high);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                const float xv = x[r * ldx + k];
+                acc[r][j] += xv * even;
+                acc[r][j + 1] += xv * odd;
+            }
+        }
+    /* chain 0 + chain 1 as the generic dual loop adds its two; with four, (0 + 2) + (1 + 3) */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j++) {
+            if (CH == 4)
+                acc[r][j] = (acc[r][j] + extra[1][r][j]) + (extra[0][r][j] + extra[2][r][j]);
+            else if (CH == 2)
+                acc[r][j] += extra[0][r][j];
+        }
+}
+
+/*
+ * The decode loop of a bf16 panel whose width is a whole number of vector pairs. One
+ * load takes 2VF weights of a k as VF 32-bit lanes; shifted up 16 bits they are the
+ * even columns as float32, masked to their top half the odd columns: a shift and an
+ * AND, where widening each vector took a zero-extending load (a shuffle-port op on x86;
+ * on SSE2 an interleave and a register copy) and a shift. The accumulators hold each
+ * pair's columns in that even / odd order: permuted in and back out once per block.
+ * Chains over k: 4 with one row, 2 with two (`dual`), else 1 -- latency, not the
+ * ports, bounds fewer; the batch-invariant mode (no `dual`) adds each column in the
+ * generic loop's order, so its bits do not change.
+ */
+static inline __attribute__((always_inline)) void bf16_split_panel(
+    const int R, const int J, const float *x, int64_t ldx, const uint16_t *w, int64_t wk,
+    int64_t kc, const int dual, vf acc[][GEMM_VECS])
+{
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j += 2)
+            split_columns(&acc[r][j], &acc[r][j + 1]);
+    if (!dual)
+        bf16_split_chains(R, J, 1, x, ldx, w, wk, kc, acc);
+    else
+        bf16_split_chains(R, J, R == 1 ? 4 : 2, x, ldx, w, wk, kc, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j += 2)
+            merge_columns(&acc[r][j], &acc[r][j + 1]);
+}
 
 /*
  * One register block: acc = (first ? bias : tile) + x[0..R) . w over kc values of k;
@@ -207,12 +265,10 @@ static inline __attribute__((always_inline)) void gemm_block(
     const char *wbytes = (const char *)w;
     const int64_t wsize = dtype_size(wdt), row_bytes = wk * wsize;
     int64_t k = 0;
-#if SSE2_BF16_SPLIT
-    if (wdt == DTYPE_BF16 && J == 2 && wk == 8) {
-        sse2_bf16_panel(R, x, ldx, (const uint16_t *)w, kc, dual, acc);
+    if (streamed && wdt == DTYPE_BF16 && J % 2 == 0) {
+        bf16_split_panel(R, J, x, ldx, (const uint16_t *)w, wk, kc, dual, acc);
         k = kc;
     }
-#endif
     if (dual) {
         for (; k + 2 <= kc; k += 2) {
             const char *w0 = wbytes + k * row_bytes;
