@@ -58,7 +58,8 @@
 #define GEMM_KC (4096 / PANEL) /* k per widened block: 16 KB of float32 weights */
 #define PREFETCH_AHEAD 1024 /* bytes ahead of the streamed panel */
 #define GEMM_TASK_ROWS 64 /* weight rows per gemm_plain work item */
-#define PLAIN_XR 4 /* rows of x per gemm_plain register block */
+#define PLAIN_XR 6 /* rows of x per gemm_plain register block: verification rows of up to
+                     * 5 drafts read a tied LM head once (6 x PLAIN_WR sums fit) */
 #define PLAIN_WR (VREGS >= 32 ? 4 : 2) /* weight rows per gemm_plain register block */
 #define PLAIN_PACK_ROWS 24 /* rows of x from which gemm_plain packs panels on the fly */
 
@@ -568,6 +569,8 @@ static inline __attribute__((always_inline)) void plain_block(
     case 1: plain_block(1, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break;       \
     case 2: plain_block(2, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break;       \
     case 3: plain_block(3, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break;       \
+    case 4: plain_block(4, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break;       \
+    case 5: plain_block(5, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break;       \
     default: plain_block(PLAIN_XR, WR, xr, ld, w, ldw, WDT, bias, o, ldo, odt, n, k); break; \
     }
 
