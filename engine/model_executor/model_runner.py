@@ -432,7 +432,8 @@ class ModelRunner:
             sampled_token_ids=token_lists,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
-            spec_token_ids=self._propose(inputs, hidden, token_lists, so.max_draft_tokens),
+            spec_token_ids=self._propose(inputs, hidden, token_lists, so.max_draft_tokens,
+                                         so.drafts_settled_off),
             expert_load=self._expert_load(),
             kv_connector_output=(None if self.kv_connector is None
                                  else self._finish_kv_transfers(so)),
@@ -685,11 +686,12 @@ class ModelRunner:
 
     def _propose(
         self, inputs: StepInputs, hidden: torch.Tensor, token_lists: list[list[int]],
-        max_drafts_per_request: int | None = None,
+        max_drafts_per_request: int | None = None, settled_off: bool = False,
     ) -> list[list[int]] | None:
         """Drafts for the next step (None without a proposer); at most
         ``max_drafts_per_request`` each (the scheduler's budget; 0: none, and the proposer
-        is skipped unless it must follow every step, as an EAGLE head does)."""
+        is skipped unless it must follow every step, as an EAGLE head does, which defers
+        its pass: ``settled_off``, the governor's choice, lets it drop its oldest backlog)."""
         proposer = self.proposer
         if proposer is None:
             return None
@@ -704,7 +706,7 @@ class ModelRunner:
             first = step.query_start_loc[:-1]
             starts = step.positions[first].astype(np.int64)
             if proposer.defer(inputs.req_ids, starts, starts + step.num_scheduled, first,
-                              hidden):
+                              hidden, may_drop=settled_off):
                 return None  # kept for its next pass
         from engine.spec_decode.proposer import ProposalBatch
 

@@ -314,6 +314,7 @@ class EagleProposer(ModelProposer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._deferred: dict[str, _Deferred] = {}
+        self.dropped_positions = 0  # backlog let go while drafting was settled off
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
@@ -324,21 +325,29 @@ class EagleProposer(ModelProposer):
         self._deferred.clear()  # their positions' KV went with the cache
 
     def defer(self, req_ids: list[str], starts: np.ndarray, ends: np.ndarray,
-              hidden_starts: np.ndarray, target_hidden: torch.Tensor) -> bool:
+              hidden_starts: np.ndarray, target_hidden: torch.Tensor, *,
+              may_drop: bool = False) -> bool:
         """Keep this step's hidden rows instead of a pass; False (nothing kept) when a
-        backlog would pass its limit or not continue where the step starts."""
+        backlog would pass its limit (unless ``may_drop``: it then restarts at this step,
+        its positions left without head KV, as a request's prefix-cache hit may find
+        them) or not continue where the step starts."""
         limit = self.max_deferred_positions
         if limit <= 0:
             return False
         deferred = self._deferred
         held = [deferred.get(r) for r in req_ids]
         starts_list, ends_list = starts.tolist(), ends.tolist()
-        for h, start, end in zip(held, starts_list, ends_list):
-            if h is None:
-                if end - start > limit:
-                    return False
-            elif h.end != start or end - h.start > limit:
+        dropped = []
+        for i, (h, start, end) in enumerate(zip(held, starts_list, ends_list)):
+            if end - start > limit:
                 return False
+            if h is not None and (h.end != start or end - h.start > limit):
+                if not may_drop or h.end != start:
+                    return False
+                dropped.append(i)
+        for i in dropped:
+            self.dropped_positions += held[i].end - held[i].start
+            held[i] = None
         rows = self._hidden_rows(target_hidden, hidden_starts, ends - starts)
         first = 0
         for req_id, h, start, end in zip(req_ids, held, starts_list, ends_list):
@@ -378,6 +387,9 @@ class EagleProposer(ModelProposer):
         request by request, as a copy (the target's next step overwrites its output)."""
         flat = hidden_starts if (counts == 1).all() else (  # decode steps: one row each
             np.repeat(hidden_starts, counts) + segment_offsets(counts))
+        first = int(flat[0]) if len(flat) else 0
+        if (flat == np.arange(first, first + len(flat))).all():  # one run of rows: a slice
+            return target_hidden[first : first + len(flat)].clone()
         return target_hidden.index_select(0, self._upload(flat))
 
     @staticmethod

@@ -85,11 +85,14 @@ class Proposer(ABC):
         return not self.follows_every_step
 
     def defer(self, req_ids: list[str], starts: "np.ndarray", ends: "np.ndarray",
-              hidden_starts: "np.ndarray", target_hidden: "torch.Tensor") -> bool:
+              hidden_starts: "np.ndarray", target_hidden: "torch.Tensor", *,
+              may_drop: bool = False) -> bool:
         """A step that drafts nothing and verified no drafts, for a proposer that follows
         every step: keep what it needs of the step (positions ``[starts[i], ends[i])``,
         their target hidden states from flat row ``hidden_starts[i]``) for a later pass
-        instead of running now. False: nothing kept, :meth:`propose` runs."""
+        instead of running now. ``may_drop``: drafting is settled off, so a backlog at its
+        limit may lose its oldest positions instead of forcing a pass. False: nothing
+        kept, :meth:`propose` runs."""
         return False
 
     def forget(self, req_ids: Iterable[str]) -> None:

@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from engine.core.scheduler.spec_governor import GovernorSettings, Mode, SpeculationGovernor
 
 SETTINGS = GovernorSettings(warmup_steps=4, probe_steps=3, explore_every=8,
-                            max_explore_every=32, margin=0.05, weight=0.5)
+                            max_explore_every=32, margin=0.05)
 
 
 def _run(governor: SpeculationGovernor, steps: int, batch: int, draft_rate: float,
@@ -62,6 +62,43 @@ def test_a_near_tie_keeps_the_incumbent():
     assert governor.chosen_mode(1) is Mode.DRAFT
     _run(governor, 200, batch=1, draft_rate=100, plain_rate=103)  # within the margin
     assert governor.chosen_mode(1) is Mode.DRAFT
+
+
+def test_one_slow_step_in_a_probe_does_not_decide():
+    """A probe's rate is the median of its steps: one step that costs several (a
+    proposer's catch-up pass, a graph's first replay) does not make plain steps look
+    slower than drafting that loses."""
+    governor = SpeculationGovernor(4, settings=SETTINGS)
+    plain_steps = iter(range(10**6))
+    while governor.chosen_mode(1) is None:  # warm-up drafting, then the plain probe
+        budget = governor.draft_budget(1)
+        if budget:
+            rate = 90.0  # drafting loses by 10%
+        else:
+            rate = 15.0 if next(plain_steps) == 2 else 100.0  # one slow plain step
+        governor.observe(1, budget > 0, seconds=1.0, tokens=int(rate))
+    assert governor.chosen_mode(1) is Mode.PLAIN
+
+
+def test_plain_is_settled_only_by_the_comparison():
+    """plain_settled: steps without drafts by the comparison's choice, not while warming
+    up, probing, drafting, or under the static rule."""
+    governor = SpeculationGovernor(4, settings=SETTINGS)
+    settled = []
+    for _ in range(120):
+        settled.append((governor.draft_budget(1), governor.plain_settled(1)))
+        rate = 80 if settled[-1][0] else 100
+        governor.observe(1, settled[-1][0] > 0, seconds=1.0, tokens=rate)
+    assert governor.chosen_mode(1) is Mode.PLAIN
+    assert not any(s for _, s in settled[: SETTINGS.warmup_steps])  # warming up: drafts
+    assert all(budget == 0 for budget, s in settled if s)  # settled: never a draft step
+    assert any(s for _, s in settled)
+    # the explorations of drafting, and the plain probe before the first choice, are not
+    assert any(budget == 0 and not s for budget, s in settled)
+    static = SpeculationGovernor(4, settings=SETTINGS, disable_by_batch_size=2)
+    assert static.draft_budget(4) == 0 and not static.plain_settled(4)
+    pinned = SpeculationGovernor(4, adaptive=False)
+    assert not pinned.plain_settled(1)
 
 
 def test_batch_sizes_are_judged_apart():

@@ -469,6 +469,51 @@ def test_eagle_head_catches_up_on_steps_that_drafted_nothing(zoo, cyc, monkeypat
     assert not results[0][1]  # limit 0: a pass every step, nothing held back
 
 
+def test_eagle_head_drops_its_oldest_backlog_once_drafting_is_settled_off(zoo, cyc,
+                                                                           monkeypatch):
+    """While the governor has settled on plain steps, a backlog at its limit restarts at
+    the step instead of forcing a catch-up pass (a pass that may never be used); the
+    dropped positions only cost acceptance later. Greedy outputs equal no speculation,
+    the head still drafts once the batch shrinks to one request, and nothing leaks."""
+    from engine.core.scheduler import spec_governor
+    from engine.spec_decode.draft_model import EagleProposer
+
+    name = "llama-cycle"
+    base = zoo.llm(name)
+    llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
+    proposer = core(llm).executor.proposer
+    prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
+               cycle_prompt(cyc, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (60, 20, 20, 20)]
+    want = run(base, prompts, params)
+    passes: list[int] = []  # per first pass: the most positions a request caught up
+    original = EagleProposer._with_backlog
+
+    def recording(batch, backlog, counts, target_hidden):
+        starts, hidden = original(batch, backlog, counts, target_hidden)
+        passes.append(int((batch.starts - starts).max()))
+        return starts, hidden
+
+    monkeypatch.setattr(EagleProposer, "_with_backlog", staticmethod(recording))
+    monkeypatch.setattr(spec_governor.SpeculationGovernor, "plain_settled",
+                        lambda self, batch_size: batch_size >= 2)
+    proposer.max_deferred_positions = 8
+    before = proposer.dropped_positions
+    try:
+        spec_stats(llm)
+        got = run(llm, prompts, params)
+        stats = spec_stats(llm)
+    finally:
+        proposer.max_deferred_positions = EagleProposer.max_deferred_positions
+    assert_outputs_equal(base, got, want)
+    # ~19 steps of 4 requests at a limit of 8: each backlog restarted at least once
+    assert proposer.dropped_positions - before >= 4 * 8, proposer.dropped_positions - before
+    assert passes and max(passes) <= 8, passes  # what remained was caught up, no more
+    assert_drafts_used(stats, accepted=True)
+    assert_nothing_leaked(llm)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_max_model_len_reached_inside_a_run(zoo, cyc, method):
     """Requests that run into max_model_len (no max_tokens) while drafts are accepted

@@ -93,6 +93,9 @@ class SchedulerOutput:
     # Speculative decoding: the most drafts each request may propose for the next step
     # (engine.core.scheduler.spec_governor: 0 while drafting does not pay); None: the proposer's K.
     max_draft_tokens: int | None = None
+    # The governor settled on steps without drafts (not a probe): a proposer that keeps
+    # its KV complete across such steps may let its oldest backlog go (EagleProposer.defer).
+    drafts_settled_off: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -630,6 +630,7 @@ class Scheduler:
             # draws went through the rejection sampler, and it must repeat itself.)
             batch = len(output.num_scheduled_tokens)
             output.max_draft_tokens = self.spec_governor.draft_budget(batch)
+            output.drafts_settled_off = self.spec_governor.plain_settled(batch)
             if len(self._governed) > 64:  # steps whose time never came (defensive)
                 self._governed.clear()
                 self._step_tokens.clear()

@@ -26,6 +26,8 @@ requests or more never draft.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -43,14 +45,24 @@ class Mode(Enum):
 
 @dataclass
 class _Rate:
-    """Exponential average of a mode's per-request decode rate (tokens per second)."""
+    """A mode's per-request decode rate (tokens per second): the median of its last
+    ``window`` steps. A median, not an average: one step in a probe can cost several
+    ordinary ones (a proposer catching up its KV, the first graph of a shape), and a
+    six-step probe averaged over it chose the wrong mode."""
 
-    value: float = 0.0
+    window: int = 6
+    recent: deque[float] = field(default_factory=deque)
     samples: int = 0
 
-    def add(self, rate: float, weight: float) -> None:
-        self.value = rate if not self.samples else self.value + weight * (rate - self.value)
+    def add(self, rate: float) -> None:
+        self.recent.append(rate)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
         self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 @dataclass
@@ -60,7 +72,7 @@ class _Bucket:
     explore_every: int
     sizes: str = ""  # the batch sizes it holds, for the log
     mode: Mode = Mode.DRAFT
-    rates: dict[Mode, _Rate] = field(default_factory=lambda: {m: _Rate() for m in Mode})
+    rates: dict[Mode, _Rate] = field(default_factory=dict)
     steps_in_mode: int = 0  # decode steps since the mode last changed
     choice: Mode | None = None  # the mode the comparison picked (None: not yet compared)
     explored: bool = False  # this run of the other mode is an exploration
@@ -73,7 +85,6 @@ class GovernorSettings:
     explore_every: int = 64  # steps of the chosen mode before trying the other again
     max_explore_every: int = 1024
     margin: float = 0.03  # the other mode must be this much faster to take over
-    weight: float = 0.25  # of a new step in the averages
 
 
 class SpeculationGovernor:
@@ -94,8 +105,9 @@ class SpeculationGovernor:
         bucket = self._buckets.get(key)
         if bucket is None:
             low = 1 << (key - 1)
-            bucket = self._buckets[key] = _Bucket(self.settings.explore_every,
-                                                  f"{low}-{2 * low - 1}" if low > 1 else "1")
+            bucket = self._buckets[key] = _Bucket(
+                self.settings.explore_every, f"{low}-{2 * low - 1}" if low > 1 else "1",
+                rates={m: _Rate(self.settings.probe_steps) for m in Mode})
         return bucket
 
     def draft_budget(self, batch_size: int) -> int:
@@ -106,6 +118,18 @@ class SpeculationGovernor:
         if not self.adaptive or batch_size < 1:
             return self.k
         return self.k if self._bucket(batch_size).mode is Mode.DRAFT else 0
+
+    def plain_settled(self, batch_size: int) -> bool:
+        """Whether steps of ``batch_size`` run without drafts by the comparison's choice
+        (not a probe): a proposer that keeps its KV complete across plain steps (an EAGLE
+        head's deferred pass) may then let the oldest positions go instead of paying a
+        catch-up pass that may never be used."""
+        if not self.adaptive or batch_size < 1 or (
+                self.disable_by_batch_size is not None
+                and batch_size >= self.disable_by_batch_size):
+            return False
+        bucket = self._bucket(batch_size)
+        return bucket.choice is Mode.PLAIN and bucket.mode is Mode.PLAIN and not bucket.explored
 
     def observe(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A decode-only step of ``batch_size`` requests, run with a draft budget
@@ -118,7 +142,7 @@ class SpeculationGovernor:
             return  # a step decided before the last switch
         bucket.steps_in_mode += 1
         if bucket.steps_in_mode > 1:  # the first one still carries the last mode's drafts
-            bucket.rates[mode].add(tokens / batch_size / seconds, self.settings.weight)
+            bucket.rates[mode].add(tokens / batch_size / seconds)
         self._next_mode(bucket)
 
     def _next_mode(self, bucket: _Bucket) -> None:
