@@ -420,6 +420,31 @@ def test_mixed_batch_with_and_without_drafts_and_chunked_prefill(zoo, cyc, metho
     assert_nothing_leaked(llm)
 
 
+def _one_long_three_short(cyc):
+    """Four cycle prompts; one request runs on alone after the other three finish."""
+    prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
+               cycle_prompt(cyc, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in (60, 20, 20, 20)]
+    return prompts, params
+
+
+def _record_catch_ups(monkeypatch) -> list[int]:
+    """Per EAGLE pass that took a backlog: the most positions a request caught up."""
+    from engine.spec_decode.draft_model import EagleProposer
+
+    caught_up: list[int] = []
+    original = EagleProposer._with_backlog
+
+    def recording(batch, backlog, counts, target_hidden):
+        starts, hidden = original(batch, backlog, counts, target_hidden)
+        caught_up.append(int((batch.starts - starts).max()))
+        return starts, hidden
+
+    monkeypatch.setattr(EagleProposer, "_with_backlog", staticmethod(recording))
+    return caught_up
+
+
 def test_eagle_head_catches_up_on_steps_that_drafted_nothing(zoo, cyc, monkeypatch):
     """Steps of 2+ requests draft nothing (disable_by_batch_size=2): the EAGLE head keeps
     their hidden states instead of a pass per step and runs over the backlog when the
@@ -432,20 +457,9 @@ def test_eagle_head_catches_up_on_steps_that_drafted_nothing(zoo, cyc, monkeypat
     base = zoo.llm(name)
     llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
     proposer = core(llm).executor.proposer
-    prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
-               cycle_prompt(cyc, 5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (60, 20, 20, 20)]
+    prompts, params = _one_long_three_short(cyc)
     want = run(base, prompts, params)
-    flushed: list[int] = []  # per catch-up pass: the most positions a request caught up
-    original = EagleProposer._with_backlog
-
-    def recording(batch, backlog, counts, target_hidden):
-        starts, hidden = original(batch, backlog, counts, target_hidden)
-        flushed.append(int((batch.starts - starts).max()))
-        return starts, hidden
-
-    monkeypatch.setattr(EagleProposer, "_with_backlog", staticmethod(recording))
+    flushed = _record_catch_ups(monkeypatch)
     results = {}
     for limit in (EagleProposer.max_deferred_positions, 8, 0):
         proposer.max_deferred_positions = limit
@@ -482,20 +496,9 @@ def test_eagle_head_drops_its_oldest_backlog_once_drafting_is_settled_off(zoo, c
     base = zoo.llm(name)
     llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
     proposer = core(llm).executor.proposer
-    prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
-               cycle_prompt(cyc, 5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (60, 20, 20, 20)]
+    prompts, params = _one_long_three_short(cyc)
     want = run(base, prompts, params)
-    passes: list[int] = []  # per first pass: the most positions a request caught up
-    original = EagleProposer._with_backlog
-
-    def recording(batch, backlog, counts, target_hidden):
-        starts, hidden = original(batch, backlog, counts, target_hidden)
-        passes.append(int((batch.starts - starts).max()))
-        return starts, hidden
-
-    monkeypatch.setattr(EagleProposer, "_with_backlog", staticmethod(recording))
+    passes = _record_catch_ups(monkeypatch)
     monkeypatch.setattr(spec_governor.SpeculationGovernor, "plain_settled",
                         lambda self, batch_size: batch_size >= 2)
     proposer.max_deferred_positions = 8

@@ -9,15 +9,17 @@ whole extra row of compute at batch 64). So the scheduler asks a
 it afterwards what each step took.
 
 The governor keeps, per batch-size bucket (1, 2-3, 4-7, ...), the decode tokens each
-request gains per second in each mode (an exponential average over decode-only steps;
-the first step after a switch is skipped: it still verifies or lacks the previous
-mode's drafts). It starts drafting, and once it has measured both modes it keeps the
-faster one (by a margin, so noise does not flip it; at the first comparison drafting
-must win by the margin: a tie is no reason to pay for a proposer) and tries the other
-again now and then: after ``explore_every`` steps, twice as long each time the choice
-held, up to ``max_explore_every``. A decision is a step's draft budget: the proposer's
-K, or 0 (a draft model then catches up at its next proposal and an EAGLE head defers
-its pass, so their KV caches stay complete).
+request gains per second in each mode (the median of its last ``probe_steps``
+decode-only steps; the first step after a switch is skipped: it still verifies or lacks
+the previous mode's drafts). It starts drafting, and once it has measured both modes it
+keeps the faster one (by a margin, so noise does not flip it; at the first comparison
+drafting must win by the margin: a tie is no reason to pay for a proposer) and tries the
+other again now and then: after ``explore_every`` steps, twice as long each time the
+choice held, up to ``max_explore_every``. A decision is a step's draft budget: the
+proposer's K, or 0 (a draft model then catches up at its next proposal and an EAGLE head
+defers its pass, so their KV caches stay complete -- except while plain steps are the
+settled choice, :meth:`SpeculationGovernor.plain_settled`: an EAGLE backlog at its limit
+is then let go rather than caught up for drafts that may never come).
 
 vLLM's static rule is here too: with ``disable_by_batch_size`` the steps of that many
 requests or more never draft.

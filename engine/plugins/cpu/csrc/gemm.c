@@ -127,6 +127,32 @@ static inline __attribute__((always_inline)) void merge_columns(vf *even, vf *od
 #define BROADCAST_BY_SHUFFLE 0
 #endif
 
+/* One k of a bf16 panel (row: its weights) into sums, each pair of vectors in even / odd
+ * column order: x[r * ldx] for row r of x, or *x1 (already in every lane) for one row. */
+static inline __attribute__((always_inline)) void bf16_split_k(
+    const int R, const int J, const float *x, int64_t ldx, const vf *x1, const uint16_t *row,
+    vf sum[][GEMM_VECS])
+{
+    const vu high = (vu){0} + 0xffff0000u;
+#pragma GCC unroll 2
+    for (int j = 0; j < J; j += 2) {
+        vu u;
+        memcpy(&u, row + j * VF, sizeof u);
+        const vf even = vf_from_bits(u << 16), odd = vf_from_bits(u & high);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            if (x1 != NULL) {
+                sum[r][j] += *x1 * even;
+                sum[r][j + 1] += *x1 * odd;
+            } else { /* a scalar times a vector: a broadcast from memory on AVX */
+                const float xv = x[r * ldx];
+                sum[r][j] += xv * even;
+                sum[r][j + 1] += xv * odd;
+            }
+        }
+    }
+}
+
 /*
  * The chains of bf16_split_panel: CH chains over k (k mod CH), each pair of vectors of
  * columns in even / odd order. acc is chain 0; the others start at zero and are added to
@@ -136,7 +162,6 @@ static inline __attribute__((always_inline)) void bf16_split_chains(
     const int R, const int J, const int CH, const float *x, int64_t ldx, const uint16_t *w,
     int64_t wk, int64_t kc, vf acc[][GEMM_VECS])
 {
-    const vu high = (vu){0} + 0xffff0000u;
     vf extra[3][GEMM_ROWS][GEMM_VECS]; /* chains 1 .. CH - 1 */
 #pragma GCC unroll 3
     for (int c = 0; c < CH - 1; c++)
@@ -163,41 +188,19 @@ static inline __attribute__((always_inline)) void bf16_split_chains(
         }
 #endif
 #pragma GCC unroll 4
-        for (int c = 0; c < CH; c++)
-#pragma GCC unroll 2
-            for (int j = 0; j < J; j += 2) {
-                vu u;
-                memcpy(&u, wk0 + c * wk + j * VF, sizeof u);
-                const vf even = vf_from_bits(u << 16), odd = vf_from_bits(u & high);
-#pragma GCC unroll 8
-                for (int r = 0; r < R; r++) {
-                    vf *sum = c == 0 ? acc[r] : extra[c > 0 ? c - 1 : 0][r];
+        for (int c = 0; c < CH; c++) {
+            vf(*sum)[GEMM_VECS] = c == 0 ? acc : extra[c > 0 ? c - 1 : 0];
 #if BROADCAST_BY_SHUFFLE
-                    if (R == 1 && CH == 4) {
-                        sum[j] += xs[c] * even;
-                        sum[j + 1] += xs[c] * odd;
-                        continue;
-                    }
-#endif
-                    const float xv = x[r * ldx + k + c];
-                    sum[j] += xv * even;
-                    sum[j + 1] += xv * odd;
-                }
+            if (R == 1 && CH == 4) {
+                bf16_split_k(1, J, NULL, 0, &xs[c], wk0 + c * wk, sum);
+                continue;
             }
+#endif
+            bf16_split_k(R, J, x + k + c, ldx, NULL, wk0 + c * wk, sum);
+        }
     }
     for (; k < kc; k++) /* what the chains leave, on the first */
-#pragma GCC unroll 2
-        for (int j = 0; j < J; j += 2) {
-            vu u;
-            memcpy(&u, w + k * wk + j * VF, sizeof u);
-            const vf even = vf_from_bits(u << 16), odd = vf_from_bits(u & high);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const float xv = x[r * ldx + k];
-                acc[r][j] += xv * even;
-                acc[r][j + 1] += xv * odd;
-            }
-        }
+        bf16_split_k(R, J, x + k, ldx, NULL, w + k * wk, acc);
     /* chain 0 + chain 1 as the generic dual loop adds its two; with four, (0 + 2) + (1 + 3) */
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
