@@ -420,13 +420,18 @@ def test_mixed_batch_with_and_without_drafts_and_chunked_prefill(zoo, cyc, metho
     assert_nothing_leaked(llm)
 
 
-def _one_long_three_short(cyc):
-    """Four cycle prompts; one request runs on alone after the other three finish."""
+def _eagle_backlog_case(zoo, cyc):
+    """An EAGLE engine whose steps of 2+ requests draft nothing, four cycle prompts of
+    which one runs on alone after the others finish, and plain decoding's outputs:
+    (base, llm, prompts, params, want)."""
+    name = "llama-cycle"
+    base = zoo.llm(name)
+    llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
     prompts = [cycle_prompt(cyc, 0), cycle_prompt(cyc, 3), cycle_prompt(cyc, 7),
                cycle_prompt(cyc, 5)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in (60, 20, 20, 20)]
-    return prompts, params
+    return base, llm, prompts, params, run(base, prompts, params)
 
 
 def _record_catch_ups(monkeypatch) -> list[int]:
@@ -453,12 +458,8 @@ def test_eagle_head_catches_up_on_steps_that_drafted_nothing(zoo, cyc, monkeypat
     the head ran every step."""
     from engine.spec_decode.draft_model import EagleProposer
 
-    name = "llama-cycle"
-    base = zoo.llm(name)
-    llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
+    base, llm, prompts, params, want = _eagle_backlog_case(zoo, cyc)
     proposer = core(llm).executor.proposer
-    prompts, params = _one_long_three_short(cyc)
-    want = run(base, prompts, params)
     flushed = _record_catch_ups(monkeypatch)
     results = {}
     for limit in (EagleProposer.max_deferred_positions, 8, 0):
@@ -492,12 +493,8 @@ def test_eagle_head_drops_its_oldest_backlog_once_drafting_is_settled_off(zoo, c
     from engine.core.scheduler import spec_governor
     from engine.spec_decode.draft_model import EagleProposer
 
-    name = "llama-cycle"
-    base = zoo.llm(name)
-    llm = zoo.llm(name, "eagle", spec_extra={"disable_by_batch_size": 2})
+    base, llm, prompts, params, want = _eagle_backlog_case(zoo, cyc)
     proposer = core(llm).executor.proposer
-    prompts, params = _one_long_three_short(cyc)
-    want = run(base, prompts, params)
     passes = _record_catch_ups(monkeypatch)
     monkeypatch.setattr(spec_governor.SpeculationGovernor, "plain_settled",
                         lambda self, batch_size: batch_size >= 2)
