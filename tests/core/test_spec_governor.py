@@ -80,6 +80,20 @@ def test_one_slow_step_in_a_probe_does_not_decide():
     assert governor.chosen_mode(1) is Mode.PLAIN
 
 
+def test_drafting_that_stops_paying_stops_before_the_next_exploration():
+    """Acceptance collapses (the text stops repeating): drafting's own steps show it
+    losing against the last plain measurement, and the governor turns it off within a
+    probe's length, not after explore_every steps."""
+    settings = GovernorSettings(warmup_steps=4, probe_steps=3, explore_every=500,
+                                max_explore_every=1000, margin=0.05)
+    governor = SpeculationGovernor(4, settings=settings)
+    _run(governor, 30, batch=1, draft_rate=300, plain_rate=100)
+    assert governor.chosen_mode(1) is Mode.DRAFT
+    budgets = _run(governor, 30, batch=1, draft_rate=60, plain_rate=100)
+    assert governor.chosen_mode(1) is Mode.PLAIN
+    assert budgets.index(0) <= settings.probe_steps + 2, budgets
+
+
 def test_plain_is_settled_only_by_the_comparison():
     """plain_settled: steps without drafts by the comparison's choice, not while warming
     up, probing, drafting, or under the static rule."""

@@ -15,7 +15,9 @@ the previous mode's drafts). It starts drafting, and once it has measured both m
 keeps the faster one (by a margin, so noise does not flip it; at the first comparison
 drafting must win by the margin: a tie is no reason to pay for a proposer) and tries the
 other again now and then: after ``explore_every`` steps, twice as long each time the
-choice held, up to ``max_explore_every``. A decision is a step's draft budget: the
+choice held, up to ``max_explore_every``; while it drafts, its own recent steps are held
+against the last plain measurement, so drafting whose acceptance collapses stops at once.
+A decision is a step's draft budget: the
 proposer's K, or 0 (a draft model then catches up at its next proposal and an EAGLE head
 defers its pass, so their KV caches stay complete -- except while plain steps are the
 settled choice, :meth:`SpeculationGovernor.plain_settled`: an EAGLE backlog at its limit
@@ -162,6 +164,11 @@ class SpeculationGovernor:
                 self._choose(bucket)
         elif bucket.steps_in_mode >= bucket.explore_every:
             self._switch(bucket, bucket.mode.other, explored=True)
+        elif (bucket.mode is Mode.DRAFT and bucket.steps_in_mode > s.probe_steps
+              and rates[Mode.PLAIN].value > rates[Mode.DRAFT].value * (1 + s.margin)):
+            # Drafting's own steps show it losing (acceptance collapsed: the text stopped
+            # repeating): back to plain steps now, not at the next exploration.
+            self._choose(bucket)
 
     def _choose(self, bucket: _Bucket) -> None:
         """Keep the faster mode: the incumbent unless the other is faster by the margin.
