@@ -1,8 +1,12 @@
 """N-gram (prompt lookup) draft proposer, vLLM's ``method: "ngram"``, in bulk numpy.
 
 For each row the proposer takes the longest ``n`` in ``[min_n, max_n]`` whose last-``n``-token
-suffix occurred earlier in the history, picks the most recent such occurrence, and proposes
-the tokens that followed it. It needs no model, so it runs on the CPU inside the step loop
+suffix occurred earlier in the history, picks the most recent such occurrence that the
+history continues for as many tokens as the row may draft (else the most recent one), and
+proposes the tokens that followed it. In text that loops (a list, a repeated line, a model
+stuck on a phrase) the most recent occurrence is one period back and is followed by only
+a period's tokens before the history ends; one period earlier it is followed by a full
+draft, and the loop's continuation is the same. It needs no model, so it runs on the CPU inside the step loop
 for hundreds of rows with histories of tens of thousands of tokens; everything is therefore
 done on whole ``[rows, positions]`` arrays, looping only over ``n``.
 
@@ -65,15 +69,17 @@ class NgramProposer:
                 span = int(lengths[sel].max())
                 # A plain slice is a view; fancy indexing copies, so only use it when needed.
                 rows = slice(lo, hi) if len(sel) == hi - lo else sel
-                ends[sel] = self._match_ends(token_ids[rows, :span], lengths[sel])
+                ends[sel] = self._match_ends(token_ids[rows, :span], lengths[sel], caps[sel])
         return _gather_drafts(token_ids, lengths, caps, ends, k)
 
-    def _match_ends(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def _match_ends(self, tokens: np.ndarray, lengths: np.ndarray, wants: np.ndarray
+                    ) -> np.ndarray:
         """End position of each row's chosen earlier occurrence, -1 where none.
 
-        ``tokens`` is [C, S] with every length <= S. Rows are dropped from the work arrays
-        once they stop matching (compacted when at least half are gone) so that long runs
-        of ``n`` only cost what the still-matching rows need.
+        ``tokens`` is [C, S] with every length <= S; ``wants``: the drafts each row may
+        take. Rows are dropped from the work arrays once they stop matching (compacted
+        when at least half are gone) so that long runs of ``n`` only cost what the
+        still-matching rows need.
         """
         result = np.full(len(lengths), -1, dtype=np.int64)
         rows = np.arange(len(lengths))  # result index of each working row
@@ -87,16 +93,16 @@ class NgramProposer:
             if n - 1 >= self.min_n:
                 done = alive & ~still
                 if done.any():
-                    result[rows[done]] = _last_true(match[done])
+                    result[rows[done]] = _chosen_end(match[done], lengths[done], wants[done])
             alive &= still
             match = nxt
             if not alive.any():
                 return result
             if 2 * int(alive.sum()) <= len(alive):
-                tokens, lengths = tokens[alive], lengths[alive]
+                tokens, lengths, wants = tokens[alive], lengths[alive], wants[alive]
                 match, rows = match[alive], rows[alive]
                 alive = np.ones(len(rows), dtype=bool)
-        result[rows[alive]] = _last_true(match[alive])
+        result[rows[alive]] = _chosen_end(match[alive], lengths[alive], wants[alive])
         return result
 
 
@@ -124,6 +130,14 @@ def _extend_matches(
 def _last_true(mask: np.ndarray) -> np.ndarray:
     """Index of the last True in each row (rows must hold at least one): most recent match."""
     return mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+
+
+def _chosen_end(mask: np.ndarray, lengths: np.ndarray, wants: np.ndarray) -> np.ndarray:
+    """Per row (each holds a match): the last match end that ``wants`` history tokens
+    follow, else the last match end."""
+    room = np.arange(mask.shape[1]) <= (lengths - 1 - wants)[:, None]
+    full = mask & room
+    return np.where(full.any(axis=1), _last_true(full), _last_true(mask))
 
 
 def _row_chunks(lengths: np.ndarray, wanted: np.ndarray) -> list[tuple[int, int]]:

@@ -11,28 +11,34 @@ from engine.spec_decode.ngram import NgramProposer
 
 
 def reference_drafts(history: list[int], min_n: int, max_n: int, k: int, cap: int) -> list[int]:
-    """Prompt lookup spelled out: longest n first, most recent earlier occurrence first."""
-    total = len(history)
+    """Prompt lookup spelled out: longest n first; the most recent earlier occurrence that
+    min(k, cap) history tokens follow, else the most recent one."""
+    total, want = len(history), min(k, cap)
     for n in range(max_n, min_n - 1, -1):
         if total <= n:
             continue
         suffix = history[total - n :]
         # An occurrence must end before the final position: start s <= total - n - 1.
-        for s in range(total - n - 1, -1, -1):
-            if history[s : s + n] == suffix:
-                return history[s + n : s + n + min(k, cap)]
+        starts = [s for s in range(total - n - 1, -1, -1) if history[s : s + n] == suffix]
+        if starts:
+            full = [s for s in starts if s + n + want <= total]
+            s = full[0] if full else starts[0]
+            return history[s + n : s + n + want]
     return []
 
 
 def rfind_drafts(history: bytes, min_n: int, max_n: int, k: int, cap: int) -> list[int]:
     """Same rule via bytes.rfind (C speed) for byte-sized vocabularies; checks the big batch."""
-    total = len(history)
+    total, want = len(history), min(k, cap)
     for n in range(max_n, min_n - 1, -1):
         if total <= n:
             continue
-        s = history.rfind(history[total - n :], 0, total - 1)
+        suffix = history[total - n :]
+        s = history.rfind(suffix, 0, total - want)  # followed by `want` tokens
+        if s < 0:
+            s = history.rfind(suffix, 0, total - 1)
         if s >= 0:
-            return list(history[s + n : s + n + min(k, cap)])
+            return list(history[s + n : s + n + want])
     return []
 
 
@@ -78,6 +84,16 @@ def test_suffix_itself_does_not_count():
 
 def test_match_at_the_very_beginning():
     assert propose([[A, B, C, D, E, A, B]], k=3, min_n=2, max_n=2) == [[C, D, E]]
+
+
+def test_a_loop_is_continued_for_a_full_draft():
+    # "a b a b a b a", n=2: "b a" last ends at 4, followed by only "b a" before the history
+    # ends; the occurrence ending at 2 is followed by "b a b": the loop, for all 3 drafts.
+    assert propose([[A, B, A, B, A, B, A]], k=3, min_n=2, max_n=2) == [[B, A, B]]
+    # a period-1 loop: four drafts from the occurrence four tokens back, not one
+    assert propose([[C] + [A] * 8], k=4, min_n=1, max_n=3) == [[A, A, A, A]]
+    # a cap of 1 is satisfied by the most recent occurrence
+    assert propose([[A, B, A, B, A, B, A]], k=3, min_n=2, max_n=2, caps=[1]) == [[B]]
 
 
 def test_most_recent_occurrence_wins():
