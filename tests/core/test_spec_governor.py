@@ -55,6 +55,18 @@ def test_drafting_must_win_the_first_comparison_by_the_margin(draft_rate):
     assert governor.chosen_mode(1) is Mode.PLAIN
 
 
+def test_a_near_tie_is_explored_as_often_as_at_first():
+    """Drafting that ties (an n-gram proposer that finds nothing drafts at plain speed)
+    keeps being tried every explore_every steps: the back-off is for clear losses."""
+    governor = SpeculationGovernor(4, settings=SETTINGS)
+    budgets = _run(governor, 400, batch=1, draft_rate=101, plain_rate=100)
+    assert governor.chosen_mode(1) is Mode.PLAIN
+    late = budgets[200:]
+    # explorations stay every ~explore_every (8) steps, not every max_explore_every (32)
+    starts = [i for i in range(1, len(late)) if late[i] and not late[i - 1]]
+    assert len(starts) >= 200 // (SETTINGS.explore_every + SETTINGS.probe_steps + 2), starts
+
+
 def test_a_near_tie_keeps_the_incumbent():
     """Once drafting won, a later near tie does not flip it (hysteresis both ways)."""
     governor = SpeculationGovernor(4, settings=SETTINGS)

@@ -184,8 +184,13 @@ class SpeculationGovernor:
             logger.info("speculative decoding %s at batch sizes %s: %.1f tokens/s per request "
                         "drafting, %.1f without", "on" if choice is Mode.DRAFT else "off",
                         bucket.sizes, rates[Mode.DRAFT].value, rates[Mode.PLAIN].value)
-        if choice is bucket.choice:  # confirmed: look again less often
-            bucket.explore_every = min(2 * bucket.explore_every, self.settings.max_explore_every)
+        if choice is bucket.choice:  # confirmed: look again less often, if it was clear
+            # (a near tie -- an n-gram proposer finding nothing drafts at plain speed --
+            # keeps looking as often: the text may start repeating any time)
+            loser, winner = rates[choice.other].value, rates[choice].value
+            if loser * (1 + self.settings.margin) < winner:
+                bucket.explore_every = min(2 * bucket.explore_every,
+                                           self.settings.max_explore_every)
         else:
             bucket.explore_every = self.settings.explore_every
         bucket.choice = choice
