@@ -106,6 +106,31 @@ def test_drafting_that_stops_paying_stops_before_the_next_exploration():
     assert budgets.index(0) <= settings.probe_steps + 2, budgets
 
 
+def test_drafting_steps_that_verified_nothing_are_not_evidence():
+    """An n-gram proposer finds a match in one step of three: the other drafting steps
+    verify nothing and run at plain speed. Only the steps that verified drafts say
+    whether drafts pay (here: they do), so drafting is chosen, not a diluted tie."""
+    governor = SpeculationGovernor(4, settings=SETTINGS)
+    steps = iter(range(10**6))
+    for _ in range(100):
+        budget = governor.draft_budget(1)
+        verified = budget > 0 and next(steps) % 3 == 0
+        rate = 300 if verified else 100
+        governor.observe(1, budget > 0, seconds=1.0, tokens=rate, verified=verified)
+    assert governor.chosen_mode(1) is Mode.DRAFT
+    # an exploration of drafting that finds nothing to verify ends, back to the choice
+    quiet = SpeculationGovernor(4, settings=SETTINGS)
+    _run(quiet, 60, batch=1, draft_rate=80, plain_rate=100)
+    assert quiet.chosen_mode(1) is Mode.PLAIN
+    budgets = []
+    for _ in range(200):
+        budget = quiet.draft_budget(1)
+        budgets.append(budget)
+        quiet.observe(1, budget > 0, seconds=1.0, tokens=100, verified=False)
+    assert quiet.chosen_mode(1) is Mode.PLAIN
+    assert 0 < budgets.count(4) < 0.5 * len(budgets)
+
+
 def test_plain_is_settled_only_by_the_comparison():
     """plain_settled: steps without drafts by the comparison's choice, not while warming
     up, probing, drafting, or under the static rule."""

@@ -645,7 +645,8 @@ class Scheduler:
         tokens = self._step_tokens.pop(id(scheduler_output), 0)
         if governed is not None and self.spec_governor is not None:
             batch, drafted = governed
-            self.spec_governor.observe(batch, drafted, seconds, tokens)
+            verified = any(scheduler_output.scheduled_spec_decode_tokens.values())
+            self.spec_governor.observe(batch, drafted, seconds, tokens, verified=verified)
 
     # -- update -----------------------------------------------------------------------------
     def update_from_output(

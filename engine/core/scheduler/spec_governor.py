@@ -78,6 +78,7 @@ class _Bucket:
     mode: Mode = Mode.DRAFT
     rates: dict[Mode, _Rate] = field(default_factory=dict)
     steps_in_mode: int = 0  # decode steps since the mode last changed
+    samples_in_mode: int = 0  # of them, rate samples (drafting steps that verified drafts)
     choice: Mode | None = None  # the mode the comparison picked (None: not yet compared)
     explored: bool = False  # this run of the other mode is an exploration
 
@@ -135,9 +136,13 @@ class SpeculationGovernor:
         bucket = self._bucket(batch_size)
         return bucket.choice is Mode.PLAIN and bucket.mode is Mode.PLAIN and not bucket.explored
 
-    def observe(self, batch_size: int, drafted: bool, seconds: float, tokens: int) -> None:
+    def observe(self, batch_size: int, drafted: bool, seconds: float, tokens: int, *,
+                verified: bool = True) -> None:
         """A decode-only step of ``batch_size`` requests, run with a draft budget
-        (``drafted``) or without, took ``seconds`` and emitted ``tokens`` in all."""
+        (``drafted``) or without, took ``seconds`` and emitted ``tokens`` in all;
+        ``verified``: it verified drafts. A drafting step that verified none (an n-gram
+        proposer found no match) ran at plain speed and says nothing about whether drafts
+        pay: it is not a sample."""
         if not self.adaptive or batch_size < 1 or seconds <= 0:
             return
         bucket = self._bucket(batch_size)
@@ -145,8 +150,10 @@ class SpeculationGovernor:
         if mode is not bucket.mode:
             return  # a step decided before the last switch
         bucket.steps_in_mode += 1
-        if bucket.steps_in_mode > 1:  # the first one still carries the last mode's drafts
+        # the first step after a switch still carries the last mode's drafts (or lacks them)
+        if bucket.steps_in_mode > 1 and (verified or mode is Mode.PLAIN):
             bucket.rates[mode].add(tokens / batch_size / seconds)
+            bucket.samples_in_mode += 1
         self._next_mode(bucket)
 
     def _next_mode(self, bucket: _Bucket) -> None:
@@ -160,11 +167,13 @@ class SpeculationGovernor:
                 self._choose(bucket)
             return
         if bucket.explored:
-            if bucket.steps_in_mode > s.probe_steps:
+            if bucket.samples_in_mode >= s.probe_steps:
                 self._choose(bucket)
+            elif bucket.steps_in_mode > 4 * s.probe_steps:  # drafts found nothing to verify
+                self._switch(bucket, bucket.choice, explored=False)
         elif bucket.steps_in_mode >= bucket.explore_every:
             self._switch(bucket, bucket.mode.other, explored=True)
-        elif (bucket.mode is Mode.DRAFT and bucket.steps_in_mode > s.probe_steps
+        elif (bucket.mode is Mode.DRAFT and bucket.samples_in_mode >= s.probe_steps
               and rates[Mode.PLAIN].value > rates[Mode.DRAFT].value * (1 + s.margin)):
             # Drafting's own steps show it losing (acceptance collapsed: the text stopped
             # repeating): back to plain steps now, not at the next exploration.
@@ -200,7 +209,7 @@ class SpeculationGovernor:
         if mode is not bucket.mode:
             self.switches += 1
             bucket.mode = mode
-            bucket.steps_in_mode = 0
+            bucket.steps_in_mode = bucket.samples_in_mode = 0
         bucket.explored = explored
 
     def chosen_mode(self, batch_size: int) -> Mode | None:
