@@ -11,7 +11,8 @@ it afterwards what each step took.
 The governor keeps, per batch-size bucket (1, 2-3, 4-7, ...), the decode tokens each
 request gains per second in each mode (the median of its last ``probe_steps``
 decode-only steps; the first step after a switch is skipped: it still verifies or lacks
-the previous mode's drafts). It starts drafting, and once it has measured both modes it
+the previous mode's drafts; a drafting step that verified no drafts ran at plain speed
+and is skipped too). It starts drafting, and once it has measured both modes it
 keeps the faster one (by a margin, so noise does not flip it; at the first comparison
 drafting must win by the margin: a tie is no reason to pay for a proposer) and tries the
 other again now and then: after ``explore_every`` steps, twice as long each time the
