@@ -6,9 +6,9 @@ history continues for as many tokens as the row may draft (else the most recent 
 proposes the tokens that followed it. In text that loops (a list, a repeated line, a model
 stuck on a phrase) the most recent occurrence is one period back and is followed by only
 a period's tokens before the history ends; one period earlier it is followed by a full
-draft, and the loop's continuation is the same. It needs no model, so it runs on the CPU inside the step loop
-for hundreds of rows with histories of tens of thousands of tokens; everything is therefore
-done on whole ``[rows, positions]`` arrays, looping only over ``n``.
+draft, and the loop's continuation is the same. It needs no model, so it runs on the CPU
+inside the step loop for hundreds of rows with histories of tens of thousands of tokens;
+everything is therefore done on whole ``[rows, positions]`` arrays, looping only over ``n``.
 
 The search works in *end-position* coordinates: ``match[r, e]`` says the ``n`` tokens ending
 at ``e`` equal row ``r``'s suffix of length ``n``. Going from ``n - 1`` to ``n`` only adds one

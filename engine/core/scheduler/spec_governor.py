@@ -18,11 +18,11 @@ drafting must win by the margin: a tie is no reason to pay for a proposer) and t
 other again now and then: after ``explore_every`` steps, twice as long each time the
 choice held, up to ``max_explore_every``; while it drafts, its own recent steps are held
 against the last plain measurement, so drafting whose acceptance collapses stops at once.
-A decision is a step's draft budget: the
-proposer's K, or 0 (a draft model then catches up at its next proposal and an EAGLE head
-defers its pass, so their KV caches stay complete -- except while plain steps are the
-settled choice, :meth:`SpeculationGovernor.plain_settled`: an EAGLE backlog at its limit
-is then let go rather than caught up for drafts that may never come).
+A decision is a step's draft budget: the proposer's K, or 0 (a draft model then catches
+up at its next proposal and an EAGLE head defers its pass, so their KV caches stay
+complete -- except while plain steps are the settled choice,
+:meth:`SpeculationGovernor.plain_settled`: an EAGLE backlog at its limit is then let go
+rather than caught up for drafts that may never come).
 
 vLLM's static rule is here too: with ``disable_by_batch_size`` the steps of that many
 requests or more never draft.
@@ -75,13 +75,17 @@ class _Bucket:
     """What one batch-size bucket has measured and chosen."""
 
     explore_every: int
+    window: int  # steps per rate median (the settings' probe_steps)
     sizes: str = ""  # the batch sizes it holds, for the log
     mode: Mode = Mode.DRAFT
-    rates: dict[Mode, _Rate] = field(default_factory=dict)
+    rates: dict[Mode, _Rate] = field(init=False)
     steps_in_mode: int = 0  # decode steps since the mode last changed
     samples_in_mode: int = 0  # of them, rate samples (drafting steps that verified drafts)
     choice: Mode | None = None  # the mode the comparison picked (None: not yet compared)
     explored: bool = False  # this run of the other mode is an exploration
+
+    def __post_init__(self) -> None:
+        self.rates = {m: _Rate(self.window) for m in Mode}
 
 
 @dataclass
@@ -112,8 +116,8 @@ class SpeculationGovernor:
         if bucket is None:
             low = 1 << (key - 1)
             bucket = self._buckets[key] = _Bucket(
-                self.settings.explore_every, f"{low}-{2 * low - 1}" if low > 1 else "1",
-                rates={m: _Rate(self.settings.probe_steps) for m in Mode})
+                self.settings.explore_every, self.settings.probe_steps,
+                f"{low}-{2 * low - 1}" if low > 1 else "1")
         return bucket
 
     def draft_budget(self, batch_size: int) -> int:
@@ -159,8 +163,7 @@ class SpeculationGovernor:
 
     def _next_mode(self, bucket: _Bucket) -> None:
         s = self.settings
-        rates = bucket.rates
-        measured = rates[bucket.mode].samples
+        measured = bucket.rates[bucket.mode].samples
         if bucket.choice is None:  # warming up: drafting, then one probe without
             if bucket.mode is Mode.DRAFT and measured >= s.warmup_steps:
                 self._switch(bucket, Mode.PLAIN, explored=True)
@@ -175,7 +178,7 @@ class SpeculationGovernor:
         elif bucket.steps_in_mode >= bucket.explore_every:
             self._switch(bucket, bucket.mode.other, explored=True)
         elif (bucket.mode is Mode.DRAFT and bucket.samples_in_mode >= s.probe_steps
-              and rates[Mode.PLAIN].value > rates[Mode.DRAFT].value * (1 + s.margin)):
+              and self._clearly_faster(bucket, Mode.PLAIN)):
             # Drafting's own steps show it losing (acceptance collapsed: the text stopped
             # repeating): back to plain steps now, not at the next exploration.
             self._choose(bucket)
@@ -188,8 +191,7 @@ class SpeculationGovernor:
         rates = bucket.rates
         incumbent = bucket.choice or Mode.PLAIN
         challenger = incumbent.other
-        faster = rates[challenger].value > rates[incumbent].value * (1 + self.settings.margin)
-        choice = challenger if faster else incumbent
+        choice = challenger if self._clearly_faster(bucket, challenger) else incumbent
         if choice is not incumbent or bucket.choice is None:
             logger.info("speculative decoding %s at batch sizes %s: %.1f tokens/s per request "
                         "drafting, %.1f without", "on" if choice is Mode.DRAFT else "off",
@@ -197,14 +199,18 @@ class SpeculationGovernor:
         if choice is bucket.choice:  # confirmed: look again less often, if it was clear
             # (a near tie -- an n-gram proposer finding nothing drafts at plain speed --
             # keeps looking as often: the text may start repeating any time)
-            loser, winner = rates[choice.other].value, rates[choice].value
-            if loser * (1 + self.settings.margin) < winner:
+            if self._clearly_faster(bucket, choice):
                 bucket.explore_every = min(2 * bucket.explore_every,
                                            self.settings.max_explore_every)
         else:
             bucket.explore_every = self.settings.explore_every
         bucket.choice = choice
         self._switch(bucket, choice, explored=False)
+
+    def _clearly_faster(self, bucket: _Bucket, mode: Mode) -> bool:
+        """Whether ``mode``'s rate beats the other's by the margin."""
+        rates = bucket.rates
+        return rates[mode].value > rates[mode.other].value * (1 + self.settings.margin)
 
     def _switch(self, bucket: _Bucket, mode: Mode, explored: bool) -> None:
         if mode is not bucket.mode:
